@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Write WebDataset shards plus an index of sample counts.
+
+  makeshards.py --source /data/imagenet/train --shards /data/shards --prefix imagenet-train
+  makeshards.py --synthetic 2000 --shards data/synth --prefix synth-train
+  makeshards.py --synthetic 500 --split val --shards data/synth --prefix synth-val
+  makeshards.py --index 'data/other-{000000..000009}.tar'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from tqdm import tqdm
+
+from wdsdist import shardspec
+from wdsdist.errors import UserError, run_cli
+from wdsdist.index import count_samples, write_index
+from wdsdist.shards import from_image_folder, from_synthetic
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--source", help="ImageFolder tree: SOURCE/CLASS/IMAGE")
+    src.add_argument("--synthetic", type=positive, metavar="N", help="N images of the built-in synthetic set")
+    src.add_argument("--index", metavar="SHARDSPEC", help="write only the index for existing shards")
+    p.add_argument("--shards", default="data/shards", help="output folder (default: %(default)s)")
+    p.add_argument("--prefix", help="shard name prefix (default: the source folder's name, or synthetic-SPLIT)")
+    p.add_argument("--maxcount", type=positive, default=1000, help="samples per shard (default: %(default)s)")
+    p.add_argument("--maxsize", type=positive, default=1 << 30, help="bytes per shard (default: 1 GiB)")
+    p.add_argument("--seed", type=int, default=0, help="sample order (ImageFolder) or drawing seed (synthetic)")
+    p.add_argument("--split", choices=["train", "val"], default="train", help="synthetic split (default: train)")
+    p.add_argument("--size", type=positive, default=64, help="synthetic image size in pixels (default: 64)")
+    p.add_argument("--quality", type=positive, default=90, help="synthetic JPEG quality (default: 90)")
+    p.add_argument("--output", help="with --index: the index file (default: beside the first shard)")
+    return p.parse_args(argv)
+
+
+def index_only(spec: str, output: str | None) -> dict:
+    shards = shardspec.expand(spec)
+    counts = [(s.url, count_samples(s.url)) for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0)]
+    first = shards[0].url
+    name = re.sub(r"[-_.]?\d+$", "", os.path.basename(first).split(".")[0]) or "shards"
+    if output is None:
+        if shardspec.is_remote(first):
+            raise UserError("--index of remote shards needs --output FILE")
+        output = os.path.join(os.path.dirname(first), f"{name}.index.json")
+    return write_index(output, counts, name=name) | {"path": output}
+
+
+def main() -> int:
+    args = parse_args()
+    if args.index:
+        desc = index_only(args.index, args.output)
+        print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
+        return 0
+    common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed)
+    if args.source:
+        prefix = args.prefix or os.path.basename(os.path.normpath(args.source))
+        desc = from_image_folder(args.source, args.shards, prefix, **common)
+    else:
+        prefix = args.prefix or f"synthetic-{args.split}"
+        desc = from_synthetic(args.synthetic, args.shards, prefix, split=args.split, size=args.size,
+                              quality=args.quality, **common)
+    where = os.path.join(args.shards, f"{prefix}.index.json")
+    print(f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes -> {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,27 @@
+"""The one error type that reaches the user as a single line."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def die(message: str, code: int = 2) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_cli(main: Callable[[], int | None]) -> NoReturn:
+    """Run a command-line entry point; a UserError becomes one line and exit 2."""
+    try:
+        rc = main()
+    except UserError as exc:
+        die(str(exc))
+    except KeyboardInterrupt:
+        die("interrupted", 130)
+    raise SystemExit(rc or 0)

@@ -1,0 +1,85 @@
+"""Shard index files (wids ``wids-shard-index-v1`` compatible) and counting samples in tars."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import webdataset as wds
+from webdataset.tariterators import base_plus_ext
+
+from wdsdist.errors import UserError
+
+INDEX_KIND = "wids-shard-index-v1"
+
+
+def index_path(outdir: str, prefix: str) -> str:
+    return os.path.join(outdir, f"{prefix}.index.json")
+
+
+def write_index(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
+    """Write an index whose shard URLs are relative to the index's folder when they are local."""
+    base = os.path.dirname(os.path.abspath(path))
+    shardlist = []
+    for url, n in shards:
+        if not ("://" in url or url.startswith("pipe:")):
+            url = os.path.relpath(os.path.abspath(url), base)
+        shardlist.append({"url": url, "nsamples": int(n)})
+    desc = {
+        "__kind__": INDEX_KIND,
+        "wids_version": 1,
+        "shardlist": shardlist,
+        "nshards": len(shardlist),
+        "nsamples": sum(s["nsamples"] for s in shardlist),
+        **extra,
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(desc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return desc
+
+
+def read_index(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            desc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read shard index {path}: {exc}") from None
+    if desc.get("__kind__") != INDEX_KIND or "shardlist" not in desc:
+        raise UserError(f"{path}: not a {INDEX_KIND} shard index")
+    return desc
+
+
+def count_keys(names: Iterable[str]) -> int:
+    """Count samples the way WebDataset groups tar members: consecutive runs of one key."""
+    count, last = 0, None
+    for name in names:
+        key, _ = base_plus_ext(name)
+        if key is None or os.path.basename(name).startswith("__"):
+            continue
+        if key != last:
+            count += 1
+            last = key
+    return count
+
+
+def count_samples(url: str) -> int:
+    """Count samples in a shard from its tar headers (plain or gzipped; local or any gopen URL)."""
+    try:
+        if os.path.exists(url):
+            # Random access: headers only, member data is skipped with seeks.
+            with tarfile.open(url, mode="r:*") as tar:
+                return count_keys(m.name for m in tar if m.isreg())
+        stream = wds.gopen(url, "rb")
+        try:
+            with tarfile.open(fileobj=stream, mode="r|*") as tar:
+                return count_keys(m.name for m in tar if m.isreg())
+        finally:
+            stream.close()
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise UserError(f"{url}: not a readable tar shard ({exc})") from None

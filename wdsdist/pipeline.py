@@ -1,0 +1,437 @@
+"""The WebDataset pipeline and loader shared by train.py and simdist.py.
+
+One rank's loader, in order:
+  shards[rank::world] -> shards[worker::nworkers] (in each DataLoader worker)
+  -> shard order shuffled per epoch (seed + epoch: new every epoch, the same on every rank),
+     read ``dsrepeat`` times -> tar -> shuffle buffer of raw (compressed) samples
+  -> decode -> augment -> batch inside the worker (uint8 NCHW images, int64 labels)
+  -> WebLoader(batch_size=None) -> optional unbatched().shuffle(N).batched(B) across workers
+  -> epochless .repeat(), or one epoch cut to ``nbatches``.
+
+Every sample carries an id (epoch, worker, position in the worker's shuffled stream) so the
+rank's loader knows exactly what was consumed; that is the loader state a checkpoint keeps,
+and a resumed loader skips exactly those samples, before decoding them.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import webdataset as wds
+from torch.utils.data import IterableDataset, get_worker_info
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+from webdataset.filters import _batched, _shuffle
+from webdataset.tariterators import tarfile_samples
+
+from wdsdist import shardspec
+from wdsdist.errors import UserError
+from wdsdist.index import count_samples
+from wdsdist.shardspec import Shard
+from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
+
+MODES = ("repeat", "epoch", "resampled")
+
+
+class DataError(Exception):
+    """A shard or sample that cannot be read; the message names the shard and the key."""
+
+
+@dataclass
+class LoaderConfig:
+    """Everything that shapes one rank's loader. Plain values only: it travels to workers."""
+
+    batch_size: int
+    workers: int = 2
+    mode: str = "repeat"  # repeat (epochless) | epoch | resampled
+    train: bool = True  # train: RandomResizedCrop + flip; eval: resize + center crop
+    image_size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    image_key: str = "jpg;jpeg;png"
+    label_key: str = "cls"
+    seed: int = 0
+    shuffle_buffer: int = 1000  # raw samples, inside each worker; 0: off
+    cross_shuffle: int = 0  # samples, across workers in the rank's loader; 0: no re-batching
+    partial: bool = False
+    nbatches: int | str | None = None  # epoch mode: cut every rank to N, or "auto"
+    dsrepeat: int = 1
+    prefetch: int = 2
+    pin_memory: bool = False
+    with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
+    trace: bool = False  # print every shard open and close (simdist --showopen)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"loader.mode={self.mode!r}: must be one of {', '.join(MODES)}")
+        for name in ("batch_size", "dsrepeat", "image_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("workers", "shuffle_buffer", "cross_shuffle"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.nbatches is not None and self.nbatches != "auto":
+            try:
+                self.nbatches = int(self.nbatches)
+            except ValueError:
+                raise UserError(f"nbatches={self.nbatches!r}: must be an integer or auto") from None
+            if self.nbatches < 1:
+                raise UserError(f"nbatches={self.nbatches}: must be >= 1 or auto")
+
+    @property
+    def rebatch(self) -> bool:
+        return self.cross_shuffle > 0
+
+
+# ---------------------------------------------------------------- per-sample work (in workers)
+
+
+def _find(sample: dict, keys: str) -> Any:
+    for k in keys.split(";"):
+        if k in sample:
+            return sample[k]
+    return None
+
+
+def _transform(cfg: LoaderConfig) -> v2.Transform:
+    size = cfg.image_size
+    if cfg.train:
+        return v2.Compose(
+            [v2.RandomResizedCrop(size, scale=tuple(cfg.crop_scale), antialias=True), v2.RandomHorizontalFlip()]
+        )
+    return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
+
+
+def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (uint8 CHW image, label); raises DataError naming the shard and key."""
+    where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
+    data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
+    if data is None or label is None:
+        missing = cfg.image_key if data is None else cfg.label_key
+        present = sorted(k for k in sample if not k.startswith("__"))
+        raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
+    try:
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as exc:
+        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    try:
+        value = int(label.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise DataError(f"{where}: label {label[:20]!r} is not an integer") from None
+    return transform(image), value
+
+
+def collate(rows: list[tuple]) -> dict[str, Any]:
+    images, labels, ids, keys = zip(*rows)
+    batch: dict[str, Any] = {
+        "image": torch.stack(images),
+        "label": torch.tensor(labels, dtype=torch.int64),
+        "id": torch.tensor(ids, dtype=torch.int64),
+    }
+    if keys[0] is not None:
+        batch["key"] = list(keys)
+    return batch
+
+
+def collate_samples(rows: list[dict]) -> dict[str, Any]:
+    """Re-batch unbatched samples (dicts of one row each) after the cross-worker shuffle."""
+    batch: dict[str, Any] = {
+        "image": torch.stack([r["image"] for r in rows]),
+        "label": torch.stack([r["label"] for r in rows]),
+        "id": torch.stack([r["id"] for r in rows]),
+    }
+    if "key" in rows[0]:
+        batch["key"] = [r["key"] for r in rows]
+    return batch
+
+
+# ---------------------------------------------------------------- the dataset (one per rank)
+
+
+def shard_order(shards: Sequence[Shard], seed: int, epoch: int, dsrepeat: int) -> list[Shard]:
+    """A worker's shards for one epoch: ``dsrepeat`` passes, each shuffled; the same on every rank."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order: list[Shard] = []
+    for _ in range(dsrepeat):
+        one = list(shards)
+        rng.shuffle(one)
+        order.extend(one)
+    return order
+
+
+@dataclass
+class ResumePoint:
+    """Where each worker of a rank stands in one epoch: every sample before ``start`` and
+    every one listed in ``skip`` was consumed."""
+
+    epoch: int
+    workers: dict[int, tuple[int, frozenset[int]]] = field(default_factory=dict)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "workers": {str(w): [s, sorted(k)] for w, (s, k) in self.workers.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> ResumePoint:
+        workers = {int(w): (int(s), frozenset(int(i) for i in k)) for w, (s, k) in state["workers"].items()}
+        return cls(int(state["epoch"]), workers)
+
+
+class ShardStream(IterableDataset):
+    """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
+
+    def __init__(self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
+                 resume: ResumePoint | None = None):
+        super().__init__()
+        self.all_shards = list(shards)
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.rank_shards = split_by_rank(self.all_shards, rank, world)
+        self.resume = resume
+        self.epoch = (resume.epoch if resume else 0) - 1  # __iter__ counts epochs, in each worker
+
+    def _urls(self, worker: int, nworkers: int) -> Iterator[str]:
+        cfg = self.cfg
+        if cfg.mode == "resampled":
+            rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}")
+            while True:
+                yield rng.choice(self.all_shards).url
+        mine = split_by_worker(self.rank_shards, worker, nworkers)
+        if not mine:
+            raise DataError(f"rank {self.rank} worker {worker} of {nworkers} has no shard")
+        yield from (s.url for s in shard_order(mine, cfg.seed, self.epoch, cfg.dsrepeat))
+
+    def _raw_samples(self, worker: int, nworkers: int) -> Iterator[dict]:
+        for url in self._urls(worker, nworkers):
+            if self.cfg.trace:
+                print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
+            try:
+                yield from tarfile_samples([{"url": url}])
+            except DataError:
+                raise
+            except Exception as exc:
+                raise DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {exc}") from None
+            if self.cfg.trace:
+                print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
+
+    def __iter__(self) -> Iterator[dict]:
+        self.epoch += 1
+        info = get_worker_info()
+        worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
+        cfg = self.cfg
+        start, skip, partial = 0, frozenset(), cfg.partial
+        if self.resume is not None:
+            if self.resume.epoch == self.epoch:
+                start, skip = self.resume.workers.get(worker, (0, frozenset()))
+                # Re-batched ranks keep every remaining sample so the epoch's count still holds.
+                partial = partial or cfg.rebatch
+            self.resume = None
+        samples = self._raw_samples(worker, nworkers)
+        if cfg.shuffle_buffer > 0:
+            rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}:samples")
+            samples = _shuffle(samples, cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)
+        transform = _transform(cfg)
+
+        def rows() -> Iterator[tuple]:
+            for seq, sample in enumerate(samples):
+                if seq < start or seq in skip:
+                    continue
+                image, label = decode_sample(sample, cfg, transform)
+                key = sample["__key__"] if cfg.with_keys else None
+                yield image, label, (self.epoch, worker, seq), key
+
+        return _batched(rows(), cfg.batch_size, collation_fn=collate, partial=partial)
+
+
+# ---------------------------------------------------------------- the rank's loader
+
+
+class EpochShuffle:
+    """WebDataset's shuffle stage with a seeded generator that changes every epoch."""
+
+    def __init__(self, bufsize: int, seed: str):
+        self.bufsize, self.seed, self.epoch = bufsize, seed, -1
+
+    def __call__(self, source: Iterator) -> Iterator:
+        self.epoch += 1
+        rng = random.Random(f"{self.seed}:{self.epoch}")
+        return _shuffle(source, self.bufsize, min(self.bufsize, 100), rng=rng)
+
+
+class ConsumedTracker:
+    """Follows the ids of consumed samples to give the loader's exact position."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.batches = 0  # batches consumed in this epoch
+        self.start: dict[int, int] = {}
+        self.seen: dict[int, set[int]] = {}
+
+    def load(self, point: ResumePoint, batches: int) -> None:
+        self.epoch, self.batches = point.epoch, batches
+        self.start = {w: s for w, (s, _) in point.workers.items()}
+        self.seen = {w: set(k) for w, (_, k) in point.workers.items()}
+
+    def update(self, ids: torch.Tensor) -> None:
+        epochs = ids[:, 0]
+        if int(epochs.max()) > self.epoch:
+            self.epoch, self.batches, self.start, self.seen = int(epochs.max()), 0, {}, {}
+        self.batches += 1
+        for _, worker, seq in ids.tolist():
+            seen = self.seen.setdefault(worker, set())
+            seen.add(seq)
+            start = self.start.get(worker, 0)
+            while start in seen:
+                seen.discard(start)
+                start += 1
+            self.start[worker] = start
+
+    def point(self) -> ResumePoint:
+        return ResumePoint(self.epoch, {w: (self.start.get(w, 0), frozenset(self.seen.get(w, ()))) for w in
+                                        set(self.start) | set(self.seen)})
+
+
+class RankLoader:
+    """One rank's loader: iterate it for batches; ``state_dict`` is its exact position.
+
+    In epoch mode each ``iter()`` is one epoch of ``plan.nbatches`` batches (every rank the
+    same); in repeat and resampled mode ``iter()`` never ends and the trainer counts steps.
+    """
+
+    def __init__(self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
+                 state: dict | None = None, plan_: Plan | None = None):
+        self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
+        point = ResumePoint.from_state(state["point"]) if state else None
+        if state and state.get("workers", cfg.workers) != cfg.workers:
+            raise UserError(
+                f"loader state was saved with {state['workers']} workers, now {cfg.workers}: "
+                f"resume with the same trainer.workers"
+            )
+        self.tracker = ConsumedTracker(point.epoch if point else 0)
+        if point is not None:
+            self.tracker.load(point, int(state.get("batches", 0)))
+        self.dataset = ShardStream(shards, rank, world, cfg, point)
+        nw = cfg.workers
+        loader = wds.WebLoader(
+            self.dataset, batch_size=None, num_workers=nw, persistent_workers=nw > 0,
+            prefetch_factor=cfg.prefetch if nw > 0 else None, pin_memory=cfg.pin_memory,
+        )
+        if cfg.rebatch:
+            loader = loader.unbatched().compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
+            loader = loader.batched(cfg.batch_size, collation_fn=collate_samples, partial=cfg.partial)
+        self.epoch_batches: int | None = None
+        if cfg.mode == "epoch":
+            self.epoch_batches = plan_.ranks[rank].batches if plan_ is not None else None
+        else:
+            loader = loader.repeat()
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[dict]:
+        if self.epoch_batches is None:
+            for batch in self.loader:
+                self.tracker.update(batch["id"])
+                yield batch
+            return
+        if self.tracker.batches >= self.epoch_batches:
+            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
+        remaining = self.epoch_batches - self.tracker.batches
+        for i, batch in enumerate(self.loader):
+            self.tracker.update(batch["id"])
+            yield batch
+            if i + 1 >= remaining:
+                break
+
+    def state_dict(self) -> dict:
+        """The loader's exact position, small and JSON-friendly, for checkpoints."""
+        point = self.tracker.point()
+        batches = self.tracker.batches
+        if self.epoch_batches is not None and batches >= self.epoch_batches:
+            point, batches = ResumePoint(point.epoch + 1), 0
+        return {"point": point.state(), "batches": batches, "workers": self.cfg.workers,
+                "rank": self.rank, "world": self.world}
+
+
+# ---------------------------------------------------------------- startup: plan and check
+
+
+def known_counts(shards: Sequence[Shard], *, count_local: bool) -> list[int] | None:
+    """Per-shard sample counts from the index, or counted from local tar headers if asked."""
+    counts = shardspec.sample_counts(shards)
+    if counts is None and count_local and not any(shardspec.is_remote(s.url) for s in shards):
+        counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
+    return counts
+
+
+def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equal: bool = True) -> Plan | None:
+    """Plan the layout and refuse, with numbers and a fix, one that would hang or starve a rank.
+
+    Returns the plan when sample counts are known (always in epoch mode), else None.
+    """
+    nw = max(cfg.workers, 1)
+    if cfg.mode == "resampled":
+        return None
+    epoch_mode = cfg.mode == "epoch"
+    counts = known_counts(shards, count_local=epoch_mode)
+    if counts is None:
+        if epoch_mode:
+            raise UserError(
+                "epoch mode needs sample counts per shard: give an index JSON (makeshards.py --index) "
+                "or use loader.mode=repeat"
+            )
+        structural = plan([1] * len(shards), world, nw, 1)
+        problems = structural.problems(epoch_mode=False)
+        if problems:
+            raise UserError(problems[0])
+        return None
+    if cfg.nbatches is not None and not epoch_mode:
+        raise UserError(f"nbatches={cfg.nbatches} only applies to loader.mode=epoch (mode is {cfg.mode})")
+    p = plan(counts, world, nw, cfg.batch_size, partial=cfg.partial, dsrepeat=cfg.dsrepeat,
+             rebatch=cfg.rebatch, nbatches=cfg.nbatches)
+    problems = p.problems(epoch_mode=epoch_mode and equal)
+    if problems:
+        raise UserError(problems[0])
+    if epoch_mode and equal and p.batches[0] == 0:
+        raise UserError(f"every rank delivers 0 batches of {cfg.batch_size}: use a smaller batch size")
+    return p
+
+
+def make_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
+                state: dict | None = None) -> RankLoader:
+    """Expand the spec, check the layout, and build rank ``rank``'s loader."""
+    if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
+        shards = list(spec)
+    else:
+        shards = shardspec.expand(spec)  # type: ignore[arg-type]
+    p = check_layout(shards, world, cfg)
+    return RankLoader(shards, rank, world, cfg, state, p)
+
+
+def make_eval_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int,
+                     cfg: LoaderConfig) -> RankLoader | list:
+    """One pass over this rank's share of the evaluation shards, every sample exactly once.
+
+    Ranks may hold different numbers of samples (the caller all-reduces sums, not batches);
+    a rank with fewer shards than workers uses fewer workers, one with none yields nothing.
+    """
+    shards = list(spec) if spec and isinstance(spec[0], Shard) else shardspec.expand(spec)  # type: ignore[index]
+    mine = len(split_by_rank(shards, rank, world))
+    if mine == 0:
+        return []
+    ecfg = replace(cfg, mode="epoch", train=False, partial=True, nbatches=None, dsrepeat=1,
+                   cross_shuffle=0, shuffle_buffer=0, workers=min(cfg.workers, mine))
+    counts = known_counts(shards, count_local=True)
+    if counts is None:
+        # Remote shards without an index: one pass of a plain iteration, no plan needed.
+        return _OnePass(ShardStream(shards, rank, world, ecfg), ecfg)
+    p = plan(counts, world, max(ecfg.workers, 1), ecfg.batch_size, partial=True, rebatch=False)
+    return RankLoader(shards, rank, world, ecfg, None, p)
+
+
+class _OnePass:
+    def __init__(self, dataset: ShardStream, cfg: LoaderConfig):
+        self.loader = wds.WebLoader(dataset, batch_size=None, num_workers=cfg.workers)
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.loader)
