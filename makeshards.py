@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Write WebDataset shards plus an index of sample counts.
 
-  makeshards.py --source /data/imagenet/train --shards /data/shards --prefix imagenet-train
-  makeshards.py --synthetic 2000 --shards data/synth --prefix synth-train
-  makeshards.py --synthetic 500 --split val --shards data/synth --prefix synth-val
-  makeshards.py --index 'data/other-{000000..000009}.tar'
+makeshards.py --source /data/imagenet/train --shards /data/shards --prefix imagenet-train
+makeshards.py --synthetic 2000 --shards data/synth --prefix synth-train
+makeshards.py --synthetic 500 --split val --shards data/synth --prefix synth-val
+makeshards.py --index 'data/other-{000000..000009}.tar'
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def main() -> int:
         desc = from_image_folder(args.source, args.shards, prefix, **common)
     else:
         prefix = args.prefix or f"synthetic-{args.split}"
-        desc = from_synthetic(args.synthetic, args.shards, prefix, split=args.split, size=args.size,
-                              quality=args.quality, **common)
+        desc = from_synthetic(
+            args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality, **common
+        )
     where = os.path.join(args.shards, f"{prefix}.index.json")
     print(f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes -> {where}")
     return 0

@@ -126,7 +126,7 @@ def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> t
 
 
 def collate(rows: list[tuple]) -> dict[str, Any]:
-    images, labels, ids, keys = zip(*rows)
+    images, labels, ids, keys = zip(*rows, strict=False)
     batch: dict[str, Any] = {
         "image": torch.stack(images),
         "label": torch.tensor(labels, dtype=torch.int64),
@@ -183,8 +183,9 @@ class ResumePoint:
 class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 
-    def __init__(self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
-                 resume: ResumePoint | None = None):
+    def __init__(
+        self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, resume: ResumePoint | None = None
+    ):
         super().__init__()
         self.all_shards = list(shards)
         self.rank, self.world, self.cfg = rank, world, cfg
@@ -289,8 +290,10 @@ class ConsumedTracker:
             self.start[worker] = start
 
     def point(self) -> ResumePoint:
-        return ResumePoint(self.epoch, {w: (self.start.get(w, 0), frozenset(self.seen.get(w, ()))) for w in
-                                        set(self.start) | set(self.seen)})
+        return ResumePoint(
+            self.epoch,
+            {w: (self.start.get(w, 0), frozenset(self.seen.get(w, ()))) for w in set(self.start) | set(self.seen)},
+        )
 
 
 class RankLoader:
@@ -300,8 +303,15 @@ class RankLoader:
     same); in repeat and resampled mode ``iter()`` never ends and the trainer counts steps.
     """
 
-    def __init__(self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
-                 state: dict | None = None, plan_: Plan | None = None):
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        rank: int,
+        world: int,
+        cfg: LoaderConfig,
+        state: dict | None = None,
+        plan_: Plan | None = None,
+    ):
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         point = ResumePoint.from_state(state["point"]) if state else None
         if state and state.get("workers", cfg.workers) != cfg.workers:
@@ -315,8 +325,12 @@ class RankLoader:
         self.dataset = ShardStream(shards, rank, world, cfg, point)
         nw = cfg.workers
         loader = wds.WebLoader(
-            self.dataset, batch_size=None, num_workers=nw, persistent_workers=nw > 0,
-            prefetch_factor=cfg.prefetch if nw > 0 else None, pin_memory=cfg.pin_memory,
+            self.dataset,
+            batch_size=None,
+            num_workers=nw,
+            persistent_workers=nw > 0,
+            prefetch_factor=cfg.prefetch if nw > 0 else None,
+            pin_memory=cfg.pin_memory,
         )
         if cfg.rebatch:
             loader = loader.unbatched().compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
@@ -349,8 +363,13 @@ class RankLoader:
         batches = self.tracker.batches
         if self.epoch_batches is not None and batches >= self.epoch_batches:
             point, batches = ResumePoint(point.epoch + 1), 0
-        return {"point": point.state(), "batches": batches, "workers": self.cfg.workers,
-                "rank": self.rank, "world": self.world}
+        return {
+            "point": point.state(),
+            "batches": batches,
+            "workers": self.cfg.workers,
+            "rank": self.rank,
+            "world": self.world,
+        }
 
 
 # ---------------------------------------------------------------- startup: plan and check
@@ -387,8 +406,16 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
         return None
     if cfg.nbatches is not None and not epoch_mode:
         raise UserError(f"nbatches={cfg.nbatches} only applies to loader.mode=epoch (mode is {cfg.mode})")
-    p = plan(counts, world, nw, cfg.batch_size, partial=cfg.partial, dsrepeat=cfg.dsrepeat,
-             rebatch=cfg.rebatch, nbatches=cfg.nbatches)
+    p = plan(
+        counts,
+        world,
+        nw,
+        cfg.batch_size,
+        partial=cfg.partial,
+        dsrepeat=cfg.dsrepeat,
+        rebatch=cfg.rebatch,
+        nbatches=cfg.nbatches,
+    )
     problems = p.problems(epoch_mode=epoch_mode and equal)
     if problems:
         raise UserError(problems[0])
@@ -397,8 +424,9 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
     return p
 
 
-def make_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig,
-                state: dict | None = None) -> RankLoader:
+def make_loader(
+    spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, state: dict | None = None
+) -> RankLoader:
     """Expand the spec, check the layout, and build rank ``rank``'s loader."""
     if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
         shards = list(spec)
@@ -408,8 +436,9 @@ def make_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, world: i
     return RankLoader(shards, rank, world, cfg, state, p)
 
 
-def make_eval_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int,
-                     cfg: LoaderConfig) -> RankLoader | list:
+def make_eval_loader(
+    spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig
+) -> RankLoader | list:
     """One pass over this rank's share of the evaluation shards, every sample exactly once.
 
     Ranks may hold different numbers of samples (the caller all-reduces sums, not batches);
@@ -419,8 +448,17 @@ def make_eval_loader(spec: str | Sequence[str] | Sequence[Shard], rank: int, wor
     mine = len(split_by_rank(shards, rank, world))
     if mine == 0:
         return []
-    ecfg = replace(cfg, mode="epoch", train=False, partial=True, nbatches=None, dsrepeat=1,
-                   cross_shuffle=0, shuffle_buffer=0, workers=min(cfg.workers, mine))
+    ecfg = replace(
+        cfg,
+        mode="epoch",
+        train=False,
+        partial=True,
+        nbatches=None,
+        dsrepeat=1,
+        cross_shuffle=0,
+        shuffle_buffer=0,
+        workers=min(cfg.workers, mine),
+    )
     counts = known_counts(shards, count_local=True)
     if counts is None:
         # Remote shards without an index: one pass of a plain iteration, no plan needed.

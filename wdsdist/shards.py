@@ -59,9 +59,7 @@ class ShardSink:
         if self._writer is None:
             self._writer = wds.TarWriter(self._path() + ".tmp")
             self._count = self._size = 0
-        self._writer.write(
-            {"__key__": s.key, s.ext: s.image, "cls": str(s.label), "json": json.dumps(s.meta).encode()}
-        )
+        self._writer.write({"__key__": s.key, s.ext: s.image, "cls": str(s.label), "json": json.dumps(s.meta).encode()})
         self._count += 1
         self._size += nbytes
 
@@ -122,14 +120,28 @@ def from_image_folder(source: str, outdir: str, prefix: str, *, maxcount: int, m
             yield _read_image_file(source, path, label, classes)
 
     return write_shards(
-        samples(), len(files), outdir, prefix, maxcount=maxcount, maxsize=maxsize,
-        classes=classes, source=os.path.abspath(source),
+        samples(),
+        len(files),
+        outdir,
+        prefix,
+        maxcount=maxcount,
+        maxsize=maxsize,
+        classes=classes,
+        source=os.path.abspath(source),
     )
 
 
 def from_synthetic(
-    n: int, outdir: str, prefix: str, *, maxcount: int, maxsize: int, seed: int,
-    split: str = "train", size: int = 64, quality: int = 90,
+    n: int,
+    outdir: str,
+    prefix: str,
+    *,
+    maxcount: int,
+    maxsize: int,
+    seed: int,
+    split: str = "train",
+    size: int = 64,
+    quality: int = 90,
 ) -> dict:
     if n < 1:
         raise UserError(f"--synthetic must be >= 1, got {n}")
@@ -140,10 +152,21 @@ def from_synthetic(
         for i in range(n):
             img, label = synthetic.draw(i, size=size, seed=seed, split=split)
             key = f"{split}-{i:08d}"
-            yield Sample(key, "jpg", synthetic.jpeg_bytes(img, quality), label,
-                         {"index": i, "class": synthetic.CLASSES[label], "split": split})
+            yield Sample(
+                key,
+                "jpg",
+                synthetic.jpeg_bytes(img, quality),
+                label,
+                {"index": i, "class": synthetic.CLASSES[label], "split": split},
+            )
 
     return write_shards(
-        samples(), n, outdir, prefix, maxcount=maxcount, maxsize=maxsize,
-        classes=list(synthetic.CLASSES), synthetic={"seed": seed, "split": split, "size": size},
+        samples(),
+        n,
+        outdir,
+        prefix,
+        maxcount=maxcount,
+        maxsize=maxsize,
+        classes=list(synthetic.CLASSES),
+        synthetic={"seed": seed, "split": split, "size": size},
     )

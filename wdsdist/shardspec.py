@@ -98,9 +98,7 @@ def _expand_one(spec: str) -> list[Shard]:
     if missing and not shards:
         raise UserError(f"shard spec {spec!r} matches no file")
     if missing:
-        raise UserError(
-            f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}"
-        )
+        raise UserError(f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}")
     return shards
 
 

@@ -50,7 +50,20 @@ def draw(index: int, size: int = 64, seed: int = 0, split: str = "train") -> tup
         d.polygon(_polygon(cx, cy, r, angle, pts), fill=fill)
     else:  # cross
         w = 0.3
-        arm = [(-1, -w), (-w, -w), (-w, -1), (w, -1), (w, -w), (1, -w), (1, w), (w, w), (w, 1), (-w, 1), (-w, w), (-1, w)]
+        arm = [
+            (-1, -w),
+            (-w, -w),
+            (-w, -1),
+            (w, -1),
+            (w, -w),
+            (1, -w),
+            (1, w),
+            (w, w),
+            (w, 1),
+            (-w, 1),
+            (-w, w),
+            (-1, w),
+        ]
         d.polygon(_polygon(cx, cy, r, angle, arm), fill=fill)
     return img, label
 
