@@ -37,7 +37,8 @@ def draw(index: int, size: int = 64, seed: int = 0, split: str = "train") -> tup
     base = np.array(COLOURS[colour_name])
     fill = tuple(int(v) for v in np.clip(base + rng.integers(-30, 31, size=3), 0, 255))
     r = size * rng.uniform(0.18, 0.32)
-    cx, cy = rng.uniform(r + 2, size - r - 2, size=2)
+    margin = min(2.0, size * 0.04)
+    cx, cy = rng.uniform(r + margin, size - r - margin, size=2)
     angle = rng.uniform(0, 2 * math.pi)
     if shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
