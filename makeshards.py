@@ -16,7 +16,7 @@ import re
 from tqdm import tqdm
 
 from wdsdist import shardspec
-from wdsdist.errors import UserError, run_cli
+from wdsdist.errors import CliParser, UserError, run_cli
 from wdsdist.index import count_samples, write_index
 from wdsdist.shards import from_image_folder, from_synthetic
 
@@ -32,7 +32,7 @@ def positive(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--source", help="ImageFolder tree: SOURCE/CLASS/IMAGE")
     src.add_argument("--synthetic", type=positive, metavar="N", help="N images of the built-in synthetic set")

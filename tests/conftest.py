@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from PIL import Image
 
 from wdsdist import synthetic
 from wdsdist.index import index_path, write_index

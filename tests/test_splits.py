@@ -1,6 +1,5 @@
 """The planner: pure counting, checked against hand-worked layouts and its own invariants."""
 
-
 import pytest
 
 from wdsdist.splits import nbatches_of, nearest_divisible, plan, split_by_rank, split_by_worker, suggest_dsrepeat

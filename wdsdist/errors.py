@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -25,3 +26,10 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     except KeyboardInterrupt:
         die("interrupted", 130)
     raise SystemExit(rc or 0)
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one 'error:' line (not the usage block) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        die(f"{message} (see {self.prog} --help)")

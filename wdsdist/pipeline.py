@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,6 +37,10 @@ from wdsdist.shardspec import Shard
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
 
 MODES = ("repeat", "epoch", "resampled")
+
+# torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; they remain the
+# libjpeg-turbo/libpng decoders that work here, so keep the warning out of every worker's log.
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities", category=DeprecationWarning)
 
 
 class DataError(Exception):

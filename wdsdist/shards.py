@@ -63,6 +63,13 @@ class ShardSink:
         self._count += 1
         self._size += nbytes
 
+    def abort(self) -> None:
+        """Drop the shard being written; the complete ones stay, the index is not written."""
+        if self._writer is not None:
+            self._writer.close()
+            os.remove(self._path() + ".tmp")
+            self._writer = None
+
     def finish(self) -> list[tuple[str, int]]:
         self._close()
         return self.shards
@@ -73,8 +80,12 @@ def write_shards(
 ) -> dict:
     """Write samples into shards and the index beside them; return the index."""
     sink = ShardSink(outdir, prefix, maxcount, maxsize)
-    for s in tqdm(samples, total=total, desc=f"writing {prefix}", unit="img", mininterval=1.0):
-        sink.write(s)
+    try:
+        for s in tqdm(samples, total=total, desc=f"writing {prefix}", unit="img", mininterval=1.0):
+            sink.write(s)
+    except BaseException:
+        sink.abort()
+        raise
     shards = sink.finish()
     if not shards:
         raise UserError(f"no samples to write for {prefix}")
