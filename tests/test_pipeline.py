@@ -208,18 +208,28 @@ def test_png_grayscale_keys_with_folders_and_labels_without_newline(tmp_path):
         ([("k1.jpg", jpeg(1)[0]), ("k1.cls", b"cat")], r"bad.tar: sample 'k1': label b'cat' is not an integer"),
     ],
 )
-def test_bad_samples_name_the_shard_and_key(tmp_path, members, message):
+def test_bad_samples_name_the_shard_and_key(tmp_path, members, message, capfd):
     path = tmp_path / "bad.tar"
-    _write_tar(path, members)
+    good = [(f"g{i}.jpg", jpeg(i)[0]) for i in range(3)] + [(f"g{i}.cls", b"1") for i in range(3)]
+    _write_tar(path, members + sorted(good))  # the bad one first: its count rides on the next
     with pytest.raises(DataError, match=message):
-        list(make_eval_loader([shardspec.Shard(str(path), 1)], 0, 1, cfg(workers=0)))
+        list(make_eval_loader([shardspec.Shard(str(path), 4)], 0, 1, cfg(workers=0, strict=True)))
+    # By default the sample is skipped with a warning naming it, and counted in the batch.
+    batches = list(make_eval_loader([shardspec.Shard(str(path), 4)], 0, 1, cfg(workers=0)))
+    assert sum(len(b["label"]) for b in batches) == 3
+    assert "warning: skipped:" in capfd.readouterr().err
+    assert int(sum(b["bad"][:, 0].sum() for b in batches)) == 1
 
 
 def test_a_shard_that_is_not_a_tar_is_named(tmp_path):
     path = tmp_path / "junk.tar"
     path.write_bytes(b"\x01" * 2000)
+    loader = RankLoader([shardspec.Shard(str(path), 1)], 0, 1, cfg(workers=0, mode="repeat", strict=True))
+    with pytest.raises(DataError, match="junk.tar: cannot read shard: ReadError: invalid header$"):
+        next(iter(loader))
+    # Not strict: skipped, but a worker that reads nothing at all is still an error.
     loader = RankLoader([shardspec.Shard(str(path), 1)], 0, 1, cfg(workers=0, mode="repeat"))
-    with pytest.raises(DataError, match="junk.tar: cannot read shard"):
+    with pytest.raises(DataError, match="rank 0 worker 0 read no sample from its shards"):
         next(iter(loader))
 
 

@@ -15,8 +15,11 @@ and a resumed loader skips exactly those samples, before decoding them.
 
 from __future__ import annotations
 
+import io
+import os
 import random
 import sys
+import urllib.request
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,11 +27,12 @@ from typing import Any
 
 import torch
 import webdataset as wds
+from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from webdataset.filters import _batched, _shuffle
-from webdataset.tariterators import tarfile_samples
+from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from wdsdist import shardspec
 from wdsdist.errors import UserError
@@ -69,6 +73,10 @@ class LoaderConfig:
     pin_memory: bool = False
     with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
     trace: bool = False  # print every shard open and close (simdist --showopen)
+    strict: bool = False  # a bad shard or sample is an error (default: skipped, warned and counted)
+    allow_pipe: bool = True  # accept pipe: URLs (they run a shell command)
+    max_pixels: int = 89_478_485  # larger images are rejected as corrupt (decompression bombs)
+    http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,6 +98,40 @@ class LoaderConfig:
     @property
     def rebatch(self) -> bool:
         return self.cross_shuffle > 0
+
+
+# ---------------------------------------------------------------- opening shards (in workers)
+
+
+def open_shard(url: str, cfg: LoaderConfig) -> io.BufferedIOBase:
+    """Open a shard for sequential reading.
+
+    http(s) goes through urllib with a timeout, never a shell, so a URL cannot inject a
+    command and a server that does not answer fails in ``http_timeout`` seconds. ``pipe:``
+    runs its command in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``.
+    Local files honour WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
+    """
+    if url.startswith(("http://", "https://")):
+        return urllib.request.urlopen(url, timeout=cfg.http_timeout)  # noqa: S310 (scheme checked)
+    if url.startswith("pipe:"):
+        if not cfg.allow_pipe:
+            raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
+        return wds.gopen(url, "rb")
+    if shardspec.is_remote(url) or url.startswith("file:"):
+        return wds.gopen(url, "rb")
+    return open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+
+
+_warned = [0]
+
+
+def warn_skip(error: Exception, limit: int = 20) -> None:
+    """One line per skipped shard or sample, up to ``limit`` per worker; they are all counted."""
+    _warned[0] += 1
+    if _warned[0] <= limit:
+        print(f"warning: skipped: {error}", file=sys.stderr, flush=True)
+    elif _warned[0] == limit + 1:
+        print("warning: more skipped samples; counts go on in the logs", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- per-sample work (in workers)
@@ -120,6 +162,14 @@ def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> t
         present = sorted(k for k in sample if not k.startswith("__"))
         raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
     try:
+        # The header alone gives the size: refuse a decompression bomb before allocating it.
+        with Image.open(io.BytesIO(data)) as header:
+            width, height = header.size
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    if width * height > cfg.max_pixels:
+        raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
+    try:
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError) as exc:
         raise DataError(f"{where}: cannot decode image: {exc}") from None
@@ -131,11 +181,12 @@ def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> t
 
 
 def collate(rows: list[tuple]) -> dict[str, Any]:
-    images, labels, ids, keys = zip(*rows, strict=False)
+    images, labels, ids, bad, keys = zip(*rows, strict=True)
     batch: dict[str, Any] = {
         "image": torch.stack(images),
         "label": torch.tensor(labels, dtype=torch.int64),
         "id": torch.tensor(ids, dtype=torch.int64),
+        "bad": torch.tensor(bad, dtype=torch.int64),  # [b, 2]: samples, shards skipped before each
     }
     if keys[0] is not None:
         batch["key"] = list(keys)
@@ -148,6 +199,7 @@ def collate_samples(rows: list[dict]) -> dict[str, Any]:
         "image": torch.stack([r["image"] for r in rows]),
         "label": torch.stack([r["label"] for r in rows]),
         "id": torch.stack([r["id"] for r in rows]),
+        "bad": torch.stack([r["bad"] for r in rows]),
     }
     if "key" in rows[0]:
         batch["key"] = [r["key"] for r in rows]
@@ -209,16 +261,25 @@ class ShardStream(IterableDataset):
             raise DataError(f"rank {self.rank} worker {worker} of {nworkers} has no shard")
         yield from (s.url for s in shard_order(mine, cfg.seed, self.epoch, cfg.dsrepeat))
 
-    def _raw_samples(self, worker: int, nworkers: int) -> Iterator[dict]:
+    def _raw_samples(self, worker: int, nworkers: int, bad: list[int]) -> Iterator[dict]:
+        """Raw samples of the worker's shards; a shard that fails is skipped and counted in
+        ``bad[1]`` (or raises DataError in strict mode)."""
         for url in self._urls(worker, nworkers):
             if self.cfg.trace:
                 print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
             try:
-                yield from tarfile_samples([{"url": url}])
-            except DataError:
-                raise
+                stream = open_shard(url, self.cfg)
+                try:
+                    yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+                finally:
+                    stream.close()
             except Exception as exc:
-                raise DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {exc}") from None
+                reason = exc.args[0] if exc.args else exc  # webdataset appends streams to args
+                error = DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {reason}")
+                if self.cfg.strict:
+                    raise error from None
+                warn_skip(error)
+                bad[1] += 1
             if self.cfg.trace:
                 print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
 
@@ -234,19 +295,36 @@ class ShardStream(IterableDataset):
                 # Re-batched ranks keep every remaining sample so the epoch's count still holds.
                 partial = partial or cfg.rebatch
             self.resume = None
-        samples = self._raw_samples(worker, nworkers)
+        bad = [0, 0]  # samples and shards skipped since the last row
+        samples = self._raw_samples(worker, nworkers, bad)
         if cfg.shuffle_buffer > 0:
             rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}:samples")
             samples = _shuffle(samples, cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)
         transform = _transform(cfg)
 
         def rows() -> Iterator[tuple]:
+            produced = 0
             for seq, sample in enumerate(samples):
                 if seq < start or seq in skip:
                     continue
-                image, label = decode_sample(sample, cfg, transform)
+                try:
+                    image, label = decode_sample(sample, cfg, transform)
+                except DataError as error:
+                    if cfg.strict:
+                        raise
+                    warn_skip(error)
+                    bad[0] += 1
+                    continue
                 key = sample["__key__"] if cfg.with_keys else None
-                yield image, label, (self.epoch, worker, seq), key
+                yield image, label, (self.epoch, worker, seq), tuple(bad), key
+                bad[0] = bad[1] = 0
+                produced += 1
+            if not produced and start == 0 and not skip:
+                # Never a silent empty rank: every shard of this worker failed.
+                raise DataError(
+                    f"rank {self.rank} worker {worker} read no sample from its shards "
+                    f"(epoch {self.epoch}); see the warnings above"
+                )
 
         return _batched(rows(), cfg.batch_size, collation_fn=collate, partial=partial)
 
@@ -429,14 +507,25 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
     return p
 
 
+def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
+    """The spec's shards, with missing local files an error (strict) or a warning, and pipe:
+    URLs refused unless allowed."""
+    if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
+        shards = list(spec)
+    else:
+        shards = shardspec.expand(spec, strict=cfg.strict)  # type: ignore[arg-type]
+    if not cfg.allow_pipe:
+        piped = [s.url for s in shards if s.url.startswith("pipe:")]
+        if piped:
+            raise UserError(f"{piped[0]}: pipe: URLs are refused (allow_pipe is false)")
+    return shards
+
+
 def make_loader(
     spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, state: dict | None = None
 ) -> RankLoader:
     """Expand the spec, check the layout, and build rank ``rank``'s loader."""
-    if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
-        shards = list(spec)
-    else:
-        shards = shardspec.expand(spec)  # type: ignore[arg-type]
+    shards = resolve_shards(spec, cfg)
     p = check_layout(shards, world, cfg)
     return RankLoader(shards, rank, world, cfg, state, p)
 
@@ -449,7 +538,7 @@ def make_eval_loader(
     Ranks may hold different numbers of samples (the caller all-reduces sums, not batches);
     a rank with fewer shards than workers uses fewer workers, one with none yields nothing.
     """
-    shards = list(spec) if spec and isinstance(spec[0], Shard) else shardspec.expand(spec)  # type: ignore[index]
+    shards = resolve_shards(spec, cfg)
     mine = len(split_by_rank(shards, rank, world))
     if mine == 0:
         return []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def read_index_shards(index_url: str) -> list[Shard]:
     return shards
 
 
-def _expand_one(spec: str) -> list[Shard]:
+def _expand_one(spec: str, strict: bool) -> list[Shard]:
     spec = spec.strip()
     if not spec:
         return []
@@ -98,16 +99,22 @@ def _expand_one(spec: str) -> list[Shard]:
     if missing and not shards:
         raise UserError(f"shard spec {spec!r} matches no file")
     if missing:
-        raise UserError(f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}")
+        message = f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}"
+        if strict:
+            raise UserError(message)
+        print(f"warning: {message}; going on without them", file=sys.stderr)
     return shards
 
 
-def expand(spec: str | Sequence[str]) -> list[Shard]:
-    """Expand a shard spec (see module docstring); raise UserError if it names nothing."""
+def expand(spec: str | Sequence[str], strict: bool = True) -> list[Shard]:
+    """Expand a shard spec (see module docstring); raise UserError if it names nothing.
+
+    Some missing local shards are an error when ``strict``, else a warning; none at all is
+    always an error."""
     parts = spec.split("::") if isinstance(spec, str) else [str(s) for s in spec]
     shards: list[Shard] = []
     for part in parts:
-        shards.extend(_expand_one(part))
+        shards.extend(_expand_one(part, strict))
     if not shards:
         raise UserError(f"shard spec {spec!r} is empty")
     return shards
