@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
+ImageFolder, and the decode limit. Run with ``./run bench.py`` (see --help).
+
+Each contender runs in its own subprocess, so its peak memory (RSS summed over the process
+and its DataLoader workers, sampled every 20 ms) is its own. Data: ImageNet-like JPEGs
+(500x375, quality 90, about 90 KB), written once as shards and as an ImageFolder tree.
+Work: RandomResizedCrop(224) + horizontal flip, batches of 64, W DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NCLASSES = 10
+CONTENDERS = ("ours", "seed", "imagefolder", "limit")
+LABELS = {
+    "ours": "(a) ours: wdsdist training loader",
+    "seed": "(b) seed: WebDataset README pipeline",
+    "imagefolder": "(c) torchvision ImageFolder + DataLoader",
+    "limit": "(d) limit: W x single-core decode+crop+flip",
+}
+
+
+def photo(i: int, w: int = 500, h: int = 375, quality: int = 90) -> bytes:
+    """A JPEG that compresses like a photo: colour field + texture + grain (~90 KB)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(i)
+    low = rng.uniform(0, 255, size=(6, 8, 3)).astype(np.uint8)
+    img = np.asarray(Image.fromarray(low).resize((w, h), Image.BICUBIC), dtype=np.float32)
+    mid = rng.normal(0, 1, size=(h // 4, w // 4, 3)).astype(np.float32)
+    mid = Image.fromarray(np.clip(mid * 40 + 128, 0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
+    grain = rng.normal(0, 10, size=(h, w, 3)).astype(np.float32)
+    arr = np.clip(img + np.asarray(mid, dtype=np.float32) - 128 + grain, 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def prepare(data: Path, n: int) -> dict:
+    """Write n images as shards (with index) and as an ImageFolder tree, once."""
+    from tqdm import tqdm
+
+    from wdsdist.index import index_path, write_index
+    from wdsdist.shards import Sample, ShardSink
+
+    marker = data / f"ready-{n}.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    sink = ShardSink(str(data / "shards"), "bench", maxcount=250, maxsize=1 << 30)
+    total = 0
+    for i in tqdm(range(n), desc="bench data", unit="img", mininterval=1.0):
+        jpg, label = photo(i), i % NCLASSES
+        total += len(jpg)
+        folder = data / "tree" / f"class{label:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+        sink.write(Sample(f"img{i:06d}", "jpg", jpg, label, {}))
+    index = index_path(str(data / "shards"), "bench")
+    write_index(index, sink.finish(), name="bench")
+    info = {"images": n, "mean_kb": round(total / n / 1024, 1), "index": index, "tree": str(data / "tree")}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+# ---------------------------------------------------------------- contenders (in a subprocess)
+
+
+def seed_transform():
+    from torchvision import transforms as T
+
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
+
+
+def loader_for(name: str, info: dict, workers: int, batch: int):
+    import torch
+    import webdataset as wds
+    from torchvision.datasets import ImageFolder
+
+    if name == "ours":
+        from wdsdist.pipeline import LoaderConfig, make_loader
+
+        cfg = LoaderConfig(
+            batch_size=batch,
+            workers=workers,
+            mode="epoch",
+            nbatches="auto",
+            image_size=224,
+            shuffle_buffer=1000,
+            cross_shuffle=1000,
+            partial=False,
+        )
+        return make_loader(info["index"], 0, 1, cfg)
+    if name == "seed":
+        from wdsdist import shardspec
+
+        urls = [s.url for s in shardspec.expand(info["index"])]
+        ds = (
+            wds.WebDataset(urls, shardshuffle=True, empty_check=False)
+            .shuffle(1000)
+            .decode("pil")
+            .to_tuple("jpg", "cls")
+            .map_tuple(seed_transform(), lambda x: x)
+            .batched(batch)
+        )
+        return wds.WebLoader(ds, batch_size=None, num_workers=workers)
+    if name == "imagefolder":
+        ds = ImageFolder(info["tree"], transform=seed_transform())
+        return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    raise ValueError(name)
+
+
+class TreeRSS:
+    """Peak RSS of this process plus all its descendants, sampled in a thread."""
+
+    def __init__(self, interval: float = 0.02):
+        self.peak, self.interval, self._stop = 0, interval, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _tree_rss() -> int:
+        children: dict[int, list[int]] = {}
+        rss: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                pid, ppid, pages = int(entry), int(fields[1]), int(fields[21])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(pid)
+            rss[pid] = pages * os.sysconf("SC_PAGE_SIZE")
+        total, todo = 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            total += rss.get(pid, 0)
+            todo.extend(children.get(pid, []))
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._tree_rss())
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._tree_rss())
+
+
+def limit_rate(info: dict, seconds: float) -> dict:
+    """Single-core rate of our per-sample work (decode + RandomResizedCrop + flip), no loader."""
+    import torch
+    import webdataset as wds
+
+    from wdsdist import shardspec
+    from wdsdist.pipeline import LoaderConfig, _transform, decode_sample
+
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    url = shardspec.expand(info["index"])[0].url
+    samples = list(wds.WebDataset(url, shardshuffle=False, empty_check=False))  # in memory: no I/O
+    cfg = LoaderConfig(batch_size=64, image_size=224)
+    transform = _transform(cfg)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        decode_sample(samples[n % len(samples)], cfg, transform)
+        n += 1
+    return {"per_core": n / (time.perf_counter() - start)}
+
+
+def run_one(name: str, info: dict, workers: int, batch: int, epochs: int, limit_seconds: float) -> dict:
+    if name == "limit":
+        r = limit_rate(info, limit_seconds)
+        return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
+    with TreeRSS() as mem:
+        start = time.perf_counter()
+        loader = loader_for(name, info, workers, batch)
+        first = None
+        for _ in range(epochs):
+            # Throughput is the last epoch's: steady state, each loader's per-epoch costs included.
+            n, epoch_start = 0, time.perf_counter()
+            for b in loader:
+                images = b["image"] if isinstance(b, dict) else b[0]
+                n += len(images)
+                if first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+    return {
+        "samples_per_s": n / (end - epoch_start),
+        "first_batch_s": first - start,
+        "samples_last_epoch": n,
+        "peak_rss_mb": mem.peak / 2**20,
+        "dtype": str(images.dtype),
+    }
+
+
+# ---------------------------------------------------------------- the report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=2000, help="images in the data set (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (default: all cores)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2, help="passes per loader; the last one is timed (default: 2)")
+    p.add_argument("--limit-seconds", type=float, default=10.0, help="how long to time the decode limit")
+    p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
+    p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
+    p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
+    p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
+    args = p.parse_args()
+    info = prepare(Path(args.data), args.images)
+    if args.run:
+        result = run_one(args.run, info, args.workers, args.batch, args.epochs, args.limit_seconds)
+        print(json.dumps(result))
+        return 0
+
+    results = {}
+    for name in args.only or CONTENDERS:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--run",
+            name,
+            "--images",
+            str(args.images),
+            "--workers",
+            str(args.workers),
+            "--batch",
+            str(args.batch),
+            "--epochs",
+            str(args.epochs),
+            "--limit-seconds",
+            str(args.limit_seconds),
+            "--data",
+            args.data,
+        ]
+        print(f"running {LABELS[name]} ...", file=sys.stderr, flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            return 1
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    limit = results.get("limit", {}).get("samples_per_s")
+    seed = results.get("seed", {}).get("samples_per_s")
+    header = f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak RSS':>10} {'x limit':>8} {'x seed':>7}"
+    print(
+        f"\n{args.images} JPEGs ({info['mean_kb']} KB mean, 500x375 q90), RandomResizedCrop(224) + flip, "
+        f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        rate = r["samples_per_s"]
+        first = f"{r['first_batch_s']:.2f} s" if "first_batch_s" in r else "-"
+        rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
+        xl = f"{rate / limit:.2f}" if limit else "-"
+        xs = f"{rate / seed:.2f}" if seed else "-"
+        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {xl:>8} {xs:>7}")
+    report = {"config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]}, "results": results}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
