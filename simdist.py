@@ -112,11 +112,7 @@ def main(argv=None) -> int:
         raise UserError(f"--plot {args.plot}: give a .png file name")
     sim = simdist.simulate_plan(layout(args), settings)
     real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen)
-    code = simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose)
-    if args.plot:
-        results = real.epochs[-1] if real else sim.expected
-        print(f"plot: {simdist.plot(sim, results, args.plot)}")
-    return code
+    return simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,7 @@ def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> La
             shards = []
         if tuple(s.nsamples for s in shards) == layout.counts and all(os.path.exists(s.url) for s in shards):
             return Layout(layout.counts, f"{layout.source} -> {index}", tuple(shards))
+    print(f"writing {len(layout.counts)} synthetic shards, {layout.total} samples, to {outdir} (once)", file=sys.stderr)
     write_synthetic_shards(list(layout.counts), outdir, "simdist", seed=seed)
     return Layout(layout.counts, f"{layout.source} -> {index}", tuple(shardspec.read_index_shards(index)))
 
@@ -225,7 +226,7 @@ def refusal(rank: RankPlan) -> str | None:
         return None
     if not rank.shards:
         return "refused: this rank gets no shard"
-    return f"refused: worker {empty[0]} gets no shard ({len(rank.shards)} shards for {len(rank.workers)} workers)"
+    return f"refused: worker {empty[0]} gets no shard ({_n(len(rank.shards), 'shard')} for {len(rank.workers)} workers)"
 
 
 def pass_sizes(rank: RankPlan, batch_size: int, partial: bool, rebatch: bool) -> tuple[int, list[tuple[int, int]]]:
@@ -375,6 +376,10 @@ def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = 
 # ---------------------------------------------------------------- report
 
 
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _pct(n: int, total: int) -> str:
     return f"{100 * n / total:.1f}%" if total else "-"
 
@@ -498,7 +503,7 @@ def advice(sim: Simulation) -> list[str]:
         rank = next(r for r in p.ranks if len(r.shards) == fewest)
         fix = f"--nworkers {fewest}" if fewest else f"--size {p.nshards}"
         out.append(
-            f"rank {rank.rank} gets {fewest} shards for {p.nworkers} workers, so a worker gets no shard "
+            f"rank {rank.rank} gets {_n(fewest, 'shard')} for {p.nworkers} workers, so a worker gets no shard "
             f"(the training loader refuses that): use {fix}, or at least {slots} shards "
             f"({nearest_divisible(max(p.nshards, slots), slots)} divide evenly)"
         )
@@ -605,11 +610,13 @@ def split_lines(sim: Simulation, verbose: bool) -> list[str]:
     shown = shown_ranks(sim.expected, verbose)
     for r in shown:
         rank = p.ranks[r]
-        out.append(f"rank {r}: {len(rank.shards)} shards {listing(rank.shards)}, {rank.samples // s.dsrepeat} samples")
+        out.append(
+            f"rank {r}: {_n(len(rank.shards), 'shard')} {listing(rank.shards)}, {rank.samples // s.dsrepeat} samples"
+        )
         for w in rank.workers:
             x = f" x {s.dsrepeat}" if s.dsrepeat > 1 else ""
             out.append(
-                f"  worker {w.worker}: {len(w.shards)} shards {listing(w.shards)}, "
+                f"  worker {w.worker}: {_n(len(w.shards), 'shard')} {listing(w.shards)}, "
                 f"{w.samples // s.dsrepeat}{x} samples, {w.batches} batches"
             )
     if len(shown) < len(p.ranks):
@@ -646,9 +653,11 @@ def report(
     real: RealRun | None = None,
     showsplits: bool = False,
     verbose: bool = False,
-    out: TextIO = sys.stdout,
+    plot_to: str | None = None,
+    out: TextIO | None = None,
 ) -> int:
-    """Print the whole report; return the exit code (0 SUCCESS, 1 FAILED)."""
+    """Print the whole report (and draw it to ``plot_to``); return the exit code (0 SUCCESS, 1 FAILED)."""
+    out = out or sys.stdout
 
     def say(*lines: str) -> None:
         for line in lines:
@@ -682,6 +691,8 @@ def report(
         tips = advice(sim)
         if tips:
             say("", "advice:", *(f"  - {t}" for t in tips))
+    if plot_to:
+        say(f"plot: {plot(sim, epochs[-1], plot_to)}")
     say("", line)
     return 0 if ok else 1
 
@@ -793,10 +804,9 @@ def plot(sim: Simulation, results: Sequence[RankEpoch], path: str) -> str:
         Patch(color=base_colour, label="delivered" + ("" if equal else upto)),
     ]
     if not equal:
-        handles += [
-            Patch(color="crimson", label="only some ranks: DDP would hang"),
-            Patch(fill=False, edgecolor="crimson", hatch="xx", label="short of the cut"),
-        ]
+        handles.append(Patch(color="crimson", label="only some ranks: DDP would hang"))
+        if sim.cut is not None:
+            handles.append(Patch(fill=False, edgecolor="crimson", hatch="xx", label="short of the cut"))
     if sim.cut is not None:
         right.axvline(sim.cut, color="navy", linestyle="--", linewidth=1.5)
         handles.append(Line2D([], [], color="navy", linestyle="--", label=f"cut: --nbatches {sim.cut}"))
@@ -817,6 +827,7 @@ def plot(sim: Simulation, results: Sequence[RankEpoch], path: str) -> str:
     )
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.1 / height), ncol=len(handles), fontsize=8)
     fig.subplots_adjust(left=0.09, right=0.98, top=1 - 0.95 / height, bottom=1.05 / height)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
