@@ -15,6 +15,7 @@ simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nw
 from __future__ import annotations
 
 import argparse
+import sys
 
 from wdsdist import simdist
 from wdsdist.errors import UserError, run_cli
@@ -83,7 +84,7 @@ def layout(args: argparse.Namespace) -> simdist.Layout:
     if args.shards:
         if args.nshards or args.samples_per_shard:
             raise UserError("--shards and --nshards/--samples-per-shard describe the data twice: give one")
-        return simdist.spec_layout(args.shards, count_local=True, count_remote=not args.plan)
+        return simdist.spec_layout(args.shards, count_local=True, count_remote=not args.plan, need_files=not args.plan)
     nshards = args.nshards or simdist.DEFAULT_NSHARDS
     samples = args.samples_per_shard or simdist.DEFAULT_SAMPLES
     described = simdist.described_layout(nshards, samples, args.seed)
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     )
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot {args.plot}: give a .png file name")
+    if args.plan and args.showopen:
+        print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
     sim = simdist.simulate_plan(layout(args), settings)
     real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen)
     return simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot)

@@ -190,3 +190,24 @@ def test_bad_input_cli():
     p = cli("--shards", "/nonexistent/s-{000..009}.tar")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: shard spec '/nonexistent/s-{000..009}.tar' matches no file"]
+
+
+def test_real_mode_needs_the_files_an_index_lists(tmp_path):
+    index = tmp_path / "gone.index.json"
+    index.write_text('{"shardlist": [{"url": "gone-000000.tar", "nsamples": 5}]}')
+    with pytest.raises(UserError, match=r"1 of 1 shards of .* do not exist, first .*gone-000000\.tar; --plan"):
+        simdist.main(["--shards", str(index)])
+
+
+def test_real_mode_bad_sample_is_one_line(tmp_path):
+    import webdataset as wds
+
+    from wdsdist.simdist import write_synthetic_shards
+
+    write_synthetic_shards([4, 4, 4], str(tmp_path), "s")
+    with wds.TarWriter(str(tmp_path / "s-000003.tar")) as sink:
+        for i in range(4):
+            sink.write({"__key__": f"bad-{i}", "jpg": b"not a jpeg", "cls": "1"})
+    with pytest.raises(UserError, match=r"s-000003\.tar: sample 'bad-\d'") as err:
+        simdist.main(["--shards", str(tmp_path / "s-{000000..000003}.tar"), "--size", "2", "--nworkers", "2"])
+    assert "\n" not in str(err.value) and "cannot decode image" in str(err.value)

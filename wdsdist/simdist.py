@@ -118,9 +118,19 @@ def described_layout(nshards: int, samples: str, seed: int) -> Layout:
     return Layout(tuple(counts), source)
 
 
-def spec_layout(spec: str, *, count_local: bool, count_remote: bool) -> Layout:
-    """A layout from a shard spec: counts from its index, else counted from tar headers if allowed."""
+def spec_layout(spec: str, *, count_local: bool, count_remote: bool, need_files: bool = False) -> Layout:
+    """A layout from a shard spec: counts from its index, else counted from tar headers if allowed.
+
+    ``need_files``: real mode reads the shards, so local ones an index lists must exist.
+    """
     shards = shardspec.expand(spec)
+    if need_files:
+        absent = [s.url for s in shards if not shardspec.is_remote(s.url) and not os.path.exists(s.url)]
+        if absent:
+            raise UserError(
+                f"{len(absent)} of {len(shards)} shards of {spec} do not exist, first {absent[0]}; "
+                f"--plan plans from the index alone"
+            )
     counts = shardspec.sample_counts(shards)
     if counts is None:
         unknown = [s for s in shards if s.nsamples is None]
@@ -133,7 +143,10 @@ def spec_layout(spec: str, *, count_local: bool, count_remote: bool) -> Layout:
             )
         from wdsdist.index import count_samples  # imports torch: only when counting
 
-        counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
+        try:
+            counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
+        except UserError as exc:
+            raise UserError(" ".join(str(exc).split())) from None  # tarfile's reasons span lines
     return Layout(tuple(counts), spec, tuple(shards))
 
 
@@ -324,7 +337,7 @@ class RealRun:
 
 def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE) -> RealRun:
     """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
-    from wdsdist.pipeline import LoaderConfig, RankLoader
+    from wdsdist.pipeline import DataError, LoaderConfig, RankLoader
 
     s, shards = sim.settings, sim.layout.shards
     if shards is None:
@@ -354,23 +367,33 @@ def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = 
                     epochs[e].append(RankEpoch({}, why))
                 continue
             loader = RankLoader(list(shards), rank, s.size, cfg, None, None)  # no plan: run to the end of the data
-            for e in range(s.nepochs):
-                sizes: Counter[int] = Counter()
-                n = 0
-                for _ in range(s.repeat):
-                    if sim.cut is not None and n >= sim.cut:
-                        break
-                    for batch in loader:
-                        sizes[len(batch["key"])] += 1
-                        keys[e].update(batch["key"])
-                        n += 1
-                        if sim.cut is not None and n >= sim.cut:
-                            break
-                epochs[e].append(RankEpoch(dict(sizes)))
-            del loader
+            try:
+                for e in range(s.nepochs):
+                    epochs[e].append(_run_epoch(loader, s.repeat, sim.cut, keys[e]))
+            except DataError as exc:
+                # Raised in a worker, it arrives with the worker's traceback: keep its last line.
+                raise UserError(re.sub(r"^[\w.]*DataError: ", "", str(exc).strip().splitlines()[-1])) from None
+            finally:
+                del loader
             gc.collect()  # shut this rank's persistent workers down before the next rank starts its own
     coverage = [Coverage(sim.layout.total, sum(k.values()), len(k)) for k in keys]
     return RealRun(epochs, coverage)
+
+
+def _run_epoch(loader, repeat: int, cut: int | None, keys: Counter[str]) -> RankEpoch:
+    """One simulated epoch of one rank: ``repeat`` passes of its loader, stopped at ``cut`` batches."""
+    sizes: Counter[int] = Counter()
+    n = 0
+    for _ in range(repeat):
+        if cut is not None and n >= cut:
+            break
+        for batch in loader:
+            sizes[len(batch["key"])] += 1
+            keys.update(batch["key"])
+            n += 1
+            if cut is not None and n >= cut:
+                break
+    return RankEpoch(dict(sizes))
 
 
 # ---------------------------------------------------------------- report
