@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Simulate size ranks x nworkers DataLoader workers: does every rank get the same number of batches?
+
+Real mode (default) runs the training loader for each simulated rank over real shards; --plan
+gives the same report from sample counts alone. Exit status: 0 SUCCESS, 1 FAILED, 2 bad input.
+
+simdist.py                                  # 10 shards x 100 samples, 3 ranks x 3 workers: FAILED
+simdist.py --nbatches 30                    # cut every rank to 30 batches: SUCCESS
+simdist.py --nbatches 40 --dsrepeat 2       # more batches than short ranks hold: repeat inside workers
+simdist.py --nbatches auto --showsplits --plot outputs/simdist.png
+simdist.py --shards data/shards/imagenet-train.index.json --size 16 --nworkers 8 --batch-size 256
+simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nworkers 8 --batch-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from wdsdist import simdist
+from wdsdist.errors import UserError, run_cli
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other bad input
+        raise UserError(message)
+
+
+def integer(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def nbatches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or auto, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = p.add_argument_group("the data (default: 10 synthetic shards of 100 samples, written once to --cache)")
+    data.add_argument("--shards", metavar="SPEC", help="brace pattern, glob, URLs (joined by ::) or an index JSON")
+    data.add_argument("--nshards", type=integer(1), help="describe a layout: this many shards (default: 10)")
+    data.add_argument(
+        "--samples-per-shard", metavar="N[+-D]", help="samples per shard, or N+-D drawn uniformly (default: 100)"
+    )
+    data.add_argument("--seed", type=int, default=0, help="seed of the spread and of the loader's shuffles")
+    data.add_argument("--cache", default="data/simdist", help="where real mode writes synthetic shards (%(default)s)")
+    job = p.add_argument_group("the job")
+    job.add_argument("--size", type=integer(1), default=3, help="ranks (world size) (default: %(default)s)")
+    job.add_argument("--nworkers", type=integer(0), default=3, help="DataLoader workers per rank (default: 3)")
+    job.add_argument("--batch-size", type=integer(1), default=10, help="(default: %(default)s)")
+    job.add_argument("--nbatches", type=nbatches, metavar="N|auto", help="cut every rank to N batches per epoch")
+    job.add_argument("--dsrepeat", type=integer(1), default=1, help="passes over the shards inside each worker")
+    job.add_argument("--repeat", type=integer(1), default=1, help="loader passes per epoch (then the cut)")
+    job.add_argument("--partial", action=argparse.BooleanOptionalAction, default=False, help="keep short batches")
+    job.add_argument("--nepochs", type=integer(1), default=1, help="epochs to run (real mode) (default: 1)")
+    job.add_argument("--cross-shuffle", type=integer(0), default=0, help="re-batch across workers (samples)")
+    show = p.add_argument_group("what to show")
+    show.add_argument("--plan", action="store_true", help="plan from sample counts only; read no data")
+    show.add_argument("--showsplits", action="store_true", help="which shards each rank and worker got")
+    show.add_argument("--showopen", action="store_true", help="each shard open and close, as it happens (stderr)")
+    show.add_argument("--plot", metavar="FILE.png", help="draw ranks x workers, shards and batches per rank")
+    show.add_argument("--verbose", action="store_true", help="every rank, however many")
+    return p.parse_args(argv)
+
+
+def layout(args: argparse.Namespace) -> simdist.Layout:
+    if args.shards:
+        if args.nshards or args.samples_per_shard:
+            raise UserError("--shards and --nshards/--samples-per-shard describe the data twice: give one")
+        return simdist.spec_layout(args.shards, count_local=True, count_remote=not args.plan, need_files=not args.plan)
+    nshards = args.nshards or simdist.DEFAULT_NSHARDS
+    samples = args.samples_per_shard or simdist.DEFAULT_SAMPLES
+    described = simdist.described_layout(nshards, samples, args.seed)
+    if args.plan:
+        return described
+    base, spread = simdist.parse_spread(samples)
+    name = f"n{nshards}-s{base}" + (f"pm{spread}-seed{args.seed}" if spread else "")
+    return simdist.synthetic_layout(described, args.cache, name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = simdist.Settings(
+        size=args.size,
+        nworkers=args.nworkers,
+        batch_size=args.batch_size,
+        partial=args.partial,
+        nbatches=args.nbatches,
+        dsrepeat=args.dsrepeat,
+        repeat=args.repeat,
+        nepochs=args.nepochs,
+        cross_shuffle=args.cross_shuffle,
+        seed=args.seed,
+    )
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UserError(f"--plot {args.plot}: give a .png file name")
+    if args.plan and args.showopen:
+        print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
+    sim = simdist.simulate_plan(layout(args), settings)
+    real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen)
+    return simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot)
+
+
+if __name__ == "__main__":
+    run_cli(main)
