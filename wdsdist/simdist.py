@@ -354,6 +354,7 @@ def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = 
         dsrepeat=s.dsrepeat,
         with_keys=True,
         trace=showopen,
+        strict=True,  # a simulator reports bad data at once: skipping it would change the counts
     )
     epochs: list[list[RankEpoch]] = [[] for _ in range(s.nepochs)]
     keys: list[Counter[str]] = [Counter() for _ in range(s.nepochs)]
