@@ -242,3 +242,16 @@ def test_tar_written_by_webdataset_tools_reads_back(tmp_path):
         int(v) for b in make_eval_loader([shardspec.Shard(str(path), 5)], 0, 1, cfg(workers=0)) for v in b["label"]
     ]
     assert labels == [0, 1, 2, 3, 4]
+
+
+def test_dsrepeat_shows_every_sample_once_before_any_twice(tiny_shards):
+    shards = shardspec.expand(str(tiny_shards([9, 9, 9, 9])))
+    c = cfg(batch_size=3, workers=2, dsrepeat=2, shuffle_buffer=50, nbatches="auto")
+    loader = make_loader(shards, 0, 1, c)
+    per_worker: dict[int, list[str]] = {}
+    for b in loader:
+        for (_, worker, _), key in zip(b["id"].tolist(), b["key"], strict=True):
+            per_worker.setdefault(worker, []).append(key)
+    for keys in per_worker.values():
+        assert len(keys) == 36 and len(set(keys)) == 18
+        assert len(set(keys[:18])) == 18  # the first pass is complete before the second starts

@@ -16,12 +16,13 @@ and a resumed loader skips exactly those samples, before decoding them.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import random
 import sys
 import urllib.request
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -250,21 +251,33 @@ class ShardStream(IterableDataset):
         self.resume = resume
         self.epoch = (resume.epoch if resume else 0) - 1  # __iter__ counts epochs, in each worker
 
-    def _urls(self, worker: int, nworkers: int) -> Iterator[str]:
+    def _passes(self, worker: int, nworkers: int) -> list[Iterable[str]]:
+        """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
         cfg = self.cfg
         if cfg.mode == "resampled":
             rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}")
-            while True:
-                yield rng.choice(self.all_shards).url
+            return [(rng.choice(self.all_shards).url for _ in itertools.count())]
         mine = split_by_worker(self.rank_shards, worker, nworkers)
         if not mine:
             raise DataError(f"rank {self.rank} worker {worker} of {nworkers} has no shard")
-        yield from (s.url for s in shard_order(mine, cfg.seed, self.epoch, cfg.dsrepeat))
+        order = [s.url for s in shard_order(mine, cfg.seed, self.epoch, cfg.dsrepeat)]
+        return [order[k * len(mine) : (k + 1) * len(mine)] for k in range(cfg.dsrepeat)]
 
-    def _raw_samples(self, worker: int, nworkers: int, bad: list[int]) -> Iterator[dict]:
-        """Raw samples of the worker's shards; a shard that fails is skipped and counted in
+    def _samples(self, worker: int, nworkers: int, bad: list[int]) -> Iterator[dict]:
+        """Raw samples, shuffled within each pass: with dsrepeat, a worker shows every sample
+        once before it shows any a second time."""
+        cfg = self.cfg
+        for k, urls in enumerate(self._passes(worker, nworkers)):
+            samples = self._raw_samples(urls, worker, bad)
+            if cfg.shuffle_buffer > 0:
+                rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}:{k}:samples")
+                samples = _shuffle(samples, cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)
+            yield from samples
+
+    def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
+        """Raw samples of these shards; a shard that fails is skipped and counted in
         ``bad[1]`` (or raises DataError in strict mode)."""
-        for url in self._urls(worker, nworkers):
+        for url in urls:
             if self.cfg.trace:
                 print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
             try:
@@ -296,10 +309,7 @@ class ShardStream(IterableDataset):
                 partial = partial or cfg.rebatch
             self.resume = None
         bad = [0, 0]  # samples and shards skipped since the last row
-        samples = self._raw_samples(worker, nworkers, bad)
-        if cfg.shuffle_buffer > 0:
-            rng = random.Random(f"{cfg.seed}:{self.epoch}:{self.rank}:{worker}:samples")
-            samples = _shuffle(samples, cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)
+        samples = self._samples(worker, nworkers, bad)
         transform = _transform(cfg)
 
         def rows() -> Iterator[tuple]:
