@@ -16,35 +16,25 @@ import re
 from tqdm import tqdm
 
 from wdsdist import shardspec
-from wdsdist.errors import CliParser, UserError, run_cli
+from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.index import count_samples, write_index
 from wdsdist.shards import from_image_folder, from_synthetic
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--source", help="ImageFolder tree: SOURCE/CLASS/IMAGE")
-    src.add_argument("--synthetic", type=positive, metavar="N", help="N images of the built-in synthetic set")
+    src.add_argument("--synthetic", type=integer(1), metavar="N", help="N images of the built-in synthetic set")
     src.add_argument("--index", metavar="SHARDSPEC", help="write only the index for existing shards")
     p.add_argument("--shards", default="data/shards", help="output folder (default: %(default)s)")
     p.add_argument("--prefix", help="shard name prefix (default: the source folder's name, or synthetic-SPLIT)")
-    p.add_argument("--maxcount", type=positive, default=1000, help="samples per shard (default: %(default)s)")
-    p.add_argument("--maxsize", type=positive, default=1 << 30, help="bytes per shard (default: 1 GiB)")
+    p.add_argument("--maxcount", type=integer(1), default=1000, help="samples per shard (default: %(default)s)")
+    p.add_argument("--maxsize", type=integer(1), default=1 << 30, help="bytes per shard (default: 1 GiB)")
     p.add_argument("--seed", type=int, default=0, help="sample order (ImageFolder) or drawing seed (synthetic)")
     p.add_argument("--split", choices=["train", "val"], default="train", help="synthetic split (default: train)")
-    p.add_argument("--size", type=positive, default=64, help="synthetic image size in pixels (default: 64)")
-    p.add_argument("--quality", type=positive, default=90, help="synthetic JPEG quality (default: 90)")
+    p.add_argument("--size", type=integer(1), default=64, help="synthetic image size in pixels (default: 64)")
+    p.add_argument("--quality", type=integer(1), default=90, help="synthetic JPEG quality (default: 90)")
     p.add_argument("--output", help="with --index: the index file (default: beside the first shard)")
     return p.parse_args(argv)
 

@@ -18,25 +18,7 @@ import argparse
 import sys
 
 from wdsdist import simdist
-from wdsdist.errors import UserError, run_cli
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, like every other bad input
-        raise UserError(message)
-
-
-def integer(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
+from wdsdist.errors import CliParser, UserError, integer, run_cli
 
 
 def nbatches(text: str) -> int | str:
@@ -52,7 +34,7 @@ def nbatches(text: str) -> int | str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("the data (default: 10 synthetic shards of 100 samples, written once to --cache)")
     data.add_argument("--shards", metavar="SPEC", help="brace pattern, glob, URLs (joined by ::) or an index JSON")
     data.add_argument("--nshards", type=integer(1), help="describe a layout: this many shards (default: 10)")

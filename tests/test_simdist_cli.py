@@ -186,7 +186,7 @@ def test_bad_input_cli():
     p = cli("--size", "0")
     assert p.returncode == 2
     assert p.stdout == ""
-    assert p.stderr.strip().splitlines() == ["error: argument --size: must be >= 1, got 0"]
+    assert p.stderr.strip().splitlines() == ["error: argument --size: must be >= 1, got 0 (see simdist.py --help)"]
     p = cli("--shards", "/nonexistent/s-{000..009}.tar")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: shard spec '/nonexistent/s-{000..009}.tar' matches no file"]

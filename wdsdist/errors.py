@@ -32,4 +32,19 @@ class CliParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one 'error:' line (not the usage block) and exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        die(f"{message} (see {self.prog} --help)")
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def integer(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low, with the bad value named."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
