@@ -1,0 +1,224 @@
+"""The trainer end to end: real train.py runs (one process, and two under torchrun on gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import webdataset as wds
+
+from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
+
+VAL_COUNTS = [7, 13, 5, 11, 9]  # 45 samples: unequal per rank and per worker, partial batches
+TRAIN_COUNTS = [24] * 4
+
+SCALARS = {"train/loss", "train/acc", "train/lr", "perf/samples_per_s", "perf/data_wait", "val/top1", "val/loss"}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    train = write_tiny_shards(root / "train", TRAIN_COUNTS, "train", size=32)
+    pattern = str(root / "train" / f"train-{{000000..{len(TRAIN_COUNTS) - 1:06d}}}.tar")
+    val = write_tiny_shards(root / "val", VAL_COUNTS, "val", size=32)
+    labels = Counter()
+    for tar in sorted((root / "val").glob("*.tar")):
+        for sample in wds.WebDataset(str(tar), shardshuffle=False):
+            labels[int(sample["cls"])] += 1
+    return {
+        "train": str(train),
+        "train_pattern": pattern,
+        "val": str(val),
+        "val_classes": [labels[c] for c in range(10)],
+    }
+
+
+def overrides(shards, run_dir: Path, *extra: str, train_spec: str | None = None) -> list[str]:
+    """A tiny, fast configuration: 32-pixel images, ResNet-18 with its ImageNet stem, batch 8."""
+    return [
+        f"data.train_shards={train_spec or shards['train']}",
+        f"data.val_shards={shards['val']}",
+        "data.synthetic=null",
+        "data.image_size=32",
+        "data.num_classes=10",
+        "model.stem=imagenet",
+        "trainer.batch_size=8",
+        "trainer.workers=2",
+        "trainer.log_every=1",
+        "loader.shuffle_buffer=20",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def train(shards, run_dir: Path, *extra: str, train_spec: str | None = None) -> dict:
+    proc = run_script("train.py", *overrides(shards, run_dir, *extra, train_spec=train_spec))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    return subprocess.run([*cmd, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same(a, b, where="") -> None:
+    """Nested state dicts equal, tensors exactly."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_one_process_writes_tensorboard_checkpoints_and_counts_every_val_sample(shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    summary = train(shards, run, "trainer.steps=4", "trainer.eval_every=2", "trainer.ckpt_every=2")
+    assert summary["steps"] == 4 and summary["world"] == 1
+    assert summary["val_samples"] == sum(VAL_COUNTS)
+    assert summary["val_class_samples"] == shards["val_classes"]
+
+    events = EventAccumulator(str(run), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert SCALARS <= set(tags["scalars"])
+    assert tags["images"] == ["train/batch"]
+    assert [e.step for e in events.Scalars("val/top1")] == [2, 4]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    plugins = events.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
+
+    assert os.readlink(run / "latest.pt") == "ckpt-0000004.pt"
+    assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-0000002.pt", "ckpt-0000004.pt"]
+    ckpt = load(run / "latest.pt")
+    assert ckpt["step"] == 4 and ckpt["world"] == 1
+    assert {"model", "optimizer", "scheduler", "rng", "loader", "config"} <= ckpt.keys()
+    assert ckpt["config"]["trainer"]["steps"] == 4
+    assert ckpt["loader"][0]["point"]["epoch"] == 0
+    assert "steps: 4" in (run / "config.yaml").read_text()
+    assert not list(run.glob("*.tmp*"))
+
+
+def test_resume_continues_at_the_saved_step_with_the_same_state(shards, tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    common = ("optim=adamw", "trainer.ckpt_every=2", "trainer.keep=5")
+    train(shards, a, "trainer.steps=4", *common)
+
+    # Resuming at the last step trains nothing: what it saves again is what it loaded.
+    summary = train(shards, b, f"trainer.resume={a / 'ckpt-0000004.pt'}", "trainer.steps=4", *common)
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 4
+    saved, again = load(a / "ckpt-0000004.pt"), load(b / "ckpt-0000004.pt")
+    for key in ("step", "model", "optimizer", "scheduler", "loader"):
+        assert_same(saved[key], again[key], key)
+
+    # Resuming mid-run continues the optimizer (AdamW counts its steps) and the loader exactly
+    # where the first run was at the same step.
+    summary = train(shards, c, f"trainer.resume={a / 'ckpt-0000002.pt'}", "trainer.steps=4", *common)
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    resumed, straight = load(c / "ckpt-0000004.pt"), load(a / "ckpt-0000004.pt")
+    assert resumed["step"] == 4
+    assert {int(s["step"]) for s in resumed["optimizer"]["state"].values()} == {4}
+    assert resumed["scheduler"]["last_epoch"] == 4
+    assert_same(resumed["loader"], straight["loader"], "loader")
+
+    # resume=auto picks up the run directory's latest checkpoint.
+    summary = train(shards, a, "trainer.resume=auto", "trainer.steps=6", *common)
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+
+
+def test_epoch_mode_runs_whole_epochs(shards, tmp_path):
+    # 4 shards of 24 over 2 workers, batch 8: 12 batches per epoch. A brace pattern (quoted for
+    # Hydra) instead of the index: epoch mode counts the samples from the tar headers.
+    spec = f'"{shards["train_pattern"]}"'
+    summary = train(
+        shards, tmp_path / "run", "loader.mode=epoch", "trainer.epochs=2", "trainer.log_every=6", train_spec=spec
+    )
+    assert summary["steps"] == 24
+    ckpt = load(tmp_path / "run" / "latest.pt")
+    assert ckpt["loader"][0]["point"]["epoch"] == 2 and ckpt["loader"][0]["batches"] == 0
+
+
+def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world"] == 2
+    assert summary["rank_steps"] == [4, 4]
+    assert summary["rank_params"][0] == summary["rank_params"][1]
+    assert summary["val_samples"] == sum(VAL_COUNTS)
+    assert summary["val_class_samples"] == shards["val_classes"]
+    assert proc.stdout.count("done: 4 steps") == 1  # only rank 0 prints
+    ckpt = load(run / "latest.pt")
+    assert ckpt["world"] == 2 and [s["rank"] for s in ckpt["loader"]] == [0, 1]
+
+
+def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
+    train_index = write_tiny_shards(tmp_path / "train", [16, 16, 16], "train", size=16)
+    args = [
+        f"data.train_shards={train_index}",
+        "data.val_shards=null",
+        "data.synthetic=null",
+        "data.image_size=16",
+        "trainer.workers=1",
+        "trainer.batch_size=4",
+        "loader.mode=epoch",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    proc = torchrun(2, *args)
+    assert proc.returncode != 0
+    # Both ranks refuse; rank 0 says why, once (torchrun then adds its own failure report).
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "ranks deliver unequal batch counts per epoch (4..8)" in errors[0] and "nbatches=4" in errors[0]
+    assert "rank      : 1 (local_rank: 1)" in proc.stderr and "exitcode  : 2" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.stepz=5", "trainer.stepz: no such config key; did you mean trainer.steps?"),
+        ("trainer.steps=many", "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
+        ("data=imagenett", "data=imagenett: no such option (available: imagenet, synthetic)"),
+        ("loader.mode=epochs", "loader.mode: Invalid value 'epochs', expected one of [repeat, epoch, resampled]"),
+        ("trainer.batch_size=0", "trainer.batch_size=0: must be >= 1"),
+        ("data=imagenet", "data.train_shards: missing value; give it on the command line, e.g. data.train_shards=..."),
+        (
+            "data.train_shards=a-{0..1}.tar",
+            "cannot parse 'data.train_shards=a-{0..1}.tar': mismatched input '{' expecting <EOF>; "
+            """quote a value with braces or commas: 'data.train_shards="a-{0..1}.tar"'""",
+        ),
+    ],
+)
+def test_a_bad_override_is_one_line_and_a_nonzero_exit(override, message, tmp_path):
+    proc = run_script("train.py", override, f"outputs={tmp_path}", "data.synthetic=null")
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"error: {message}"

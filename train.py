@@ -1,0 +1,27 @@
+#!/usr/bin/env python3
+"""Train an image classifier from WebDataset shards; the same command under torchrun.
+
+./run train.py                                    # the embedded default: synthetic shards, CPU, minutes
+./run train.py trainer.steps=100 model.name=resnet50
+./run torchrun --nproc_per_node=8 train.py data=imagenet data.train_shards=... data.val_shards=...
+./run train.py --cfg job                          # print the composed config (Hydra)
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from wdsdist import config
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from wdsdist.trainer import train  # torch loads after the config is known to be good
+
+    config.run_job(train, cfg)
+
+
+if __name__ == "__main__":
+    config.register()
+    config.run_hydra(main)

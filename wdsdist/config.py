@@ -1,0 +1,282 @@
+"""The trainer's typed config: dataclasses in Hydra's ConfigStore behind the YAML in ``conf/``.
+
+``conf/train.yaml`` lists this schema first, so every group file (``conf/data/*.yaml``,
+``conf/model/*.yaml``, ``conf/optim/*.yaml``) and every command-line override is checked
+against it: a misspelt key or a value of the wrong type fails before anything starts, and
+``run_hydra`` turns that failure into one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
+
+from wdsdist.errors import UserError, die
+
+
+class LoaderMode(Enum):
+    repeat = "repeat"  # epochless: .repeat(), the trainer counts steps
+    epoch = "epoch"  # epochs of nbatches batches on every rank
+    resampled = "resampled"  # shards drawn with replacement per rank and worker
+
+
+class OptimName(Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Stem(Enum):
+    auto = "auto"  # small for images under 112 pixels (ResNet-style models), else imagenet
+    imagenet = "imagenet"  # the model as torchvision builds it
+    small = "small"  # 3x3 stride-1 first convolution: keeps the resolution of small images
+
+
+class Device(Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+@dataclass
+class SyntheticConfig:
+    """Write the built-in synthetic shards at data.train_shards / data.val_shards if missing."""
+
+    train_samples: int = 10000
+    val_samples: int = 2000
+    size: int = 64  # pixels of the drawn images
+    shard_samples: int = 500
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "custom"
+    train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see README: shard specs)
+    val_shards: str | None = None
+    image_key: str = "jpg;jpeg;png"
+    label_key: str = "cls"
+    image_size: int = 224
+    num_classes: int = MISSING
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    synthetic: SyntheticConfig | None = None
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # any torchvision classification model
+    stem: Stem = Stem.auto
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.sgd
+    lr: float = 0.1  # for a global batch of 256; the run uses lr * global_batch / 256
+    momentum: float = 0.9  # sgd
+    nesterov: bool = True  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    weight_decay: float = 5e-5
+    warmup: float = 0.05  # fraction of trainer.steps with a linear ramp, then cosine to 0
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 1000
+    epochs: int | None = None  # loader.mode=epoch only: steps = epochs x batches per epoch
+    batch_size: int = 64  # per rank
+    workers: int = 2  # DataLoader workers per rank
+    eval_every: int = 0  # steps; 0: only at the end
+    ckpt_every: int = 0  # steps; 0: only at the end
+    keep: int = 3  # checkpoints kept besides latest.pt
+    resume: str | None = None  # auto (latest in the run directory), a checkpoint file, or a run directory
+    log_every: int = 20  # steps between log lines and TensorBoard scalars
+    device: Device = Device.auto
+    amp: bool = True  # bf16 autocast (CUDA only)
+    channels_last: bool = True  # CUDA only
+
+
+@dataclass
+class LoaderSection:
+    mode: LoaderMode = LoaderMode.repeat
+    nbatches: str | None = None  # epoch mode: an integer, or auto (the most every rank delivers)
+    dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
+    shuffle_buffer: int = 1000  # raw samples per worker
+    cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
+    prefetch: int = 2  # batches per worker
+    strict: bool = False  # a bad shard or sample stops training (default: skipped and counted)
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loader: LoaderSection = field(default_factory=LoaderSection)
+    seed: int = 0
+    outputs: str = "outputs"  # run directories go here
+    run_dir: str | None = None  # default: OUTPUTS/RUN_ID under torchrun with --rdzv_id, else OUTPUTS/TIMESTAMP
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+# ---------------------------------------------------------------- checks Hydra cannot express
+
+
+def check(cfg: DictConfig) -> None:
+    """Range checks that types cannot say; each error names its key."""
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            value = OmegaConf.select(cfg, key)
+            raise UserError(f"{key}={value}: {rule}")
+
+    t, d, o, ld = cfg.trainer, cfg.data, cfg.optim, cfg.loader
+    for key in ("trainer.steps", "trainer.batch_size", "trainer.log_every", "trainer.keep", "loader.dsrepeat"):
+        need(OmegaConf.select(cfg, key) >= 1, key, "must be >= 1")
+    for key in (
+        "trainer.workers",
+        "trainer.eval_every",
+        "trainer.ckpt_every",
+        "loader.shuffle_buffer",
+        "loader.cross_shuffle",
+    ):
+        need(OmegaConf.select(cfg, key) >= 0, key, "must be >= 0")
+    need(ld.prefetch >= 1, "loader.prefetch", "must be >= 1")
+    need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")
+    need(t.epochs is None or ld.mode == LoaderMode.epoch, "trainer.epochs", "needs loader.mode=epoch")
+    need(d.image_size >= 8, "data.image_size", "must be >= 8")
+    need(d.num_classes >= 2, "data.num_classes", "must be >= 2")
+    need(
+        len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1, "data.crop_scale", "[lo, hi] in (0, 1]"
+    )
+    need(len(d.mean) == 3 and len(d.std) == 3 and min(d.std) > 0, "data.mean", "mean and std need 3 values, std > 0")
+    need(o.lr > 0, "optim.lr", "must be > 0")
+    need(0 <= o.warmup < 1, "optim.warmup", "a fraction of trainer.steps in [0, 1)")
+    need(len(o.betas) == 2, "optim.betas", "two values")
+    need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
+    if ld.nbatches is not None and ld.nbatches != "auto":
+        need(ld.nbatches.isdigit() and int(ld.nbatches) >= 1, "loader.nbatches", "an integer >= 1 or auto")
+    need(ld.nbatches is None or ld.mode == LoaderMode.epoch, "loader.nbatches", "only applies to loader.mode=epoch")
+    need(ld.dsrepeat == 1 or ld.mode == LoaderMode.epoch, "loader.dsrepeat", "only applies to loader.mode=epoch")
+    need(t.resume in (None, "auto") or os.path.exists(t.resume), "trainer.resume", "no such file or directory")
+    s = d.synthetic
+    if s is not None:
+        for key in ("train_samples", "val_samples", "shard_samples"):
+            need(s[key] >= 1, f"data.synthetic.{key}", "must be >= 1")
+        need(s.size >= 8, "data.synthetic.size", "must be >= 8")
+
+
+# ---------------------------------------------------------------- errors as one line
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _did_you_mean(key: str, parent: str, cfg_class: type | None) -> str:
+    names: list[str] = []
+    if cfg_class is not None and hasattr(cfg_class, "__dataclass_fields__"):
+        names = list(cfg_class.__dataclass_fields__)
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return f"; did you mean {parent + '.' if parent else ''}{close[0]}?"
+    if names:
+        return f" (keys: {', '.join(names)})"
+    return ""
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra or OmegaConf failure as one line that names the key."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, OverrideParseException):
+            hint = ""
+            if any(c in e.override for c in "{}[],"):
+                key, _, value = e.override.partition("=")
+                hint = f"; quote a value with braces or commas: '{key}=\"{value}\"'"
+            return f"cannot parse {e.override!r}: {_first_line(e.message)}{hint}"
+        if isinstance(e, MissingConfigException) and e.missing_cfg_file:
+            group = os.path.dirname(e.missing_cfg_file)
+            name = os.path.basename(e.missing_cfg_file)
+            options = f" (available: {', '.join(e.options)})" if e.options else ""
+            if group:
+                return f"{group}={name}: no such option{options}"
+            return _first_line(str(e))
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            key = e.full_key
+            if isinstance(e, MissingMandatoryValue):
+                return f"{key}: missing value; give it on the command line, e.g. {key}=..."
+            if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+                parent, _, leaf = key.rpartition(".")
+                return f"{key}: no such config key{_did_you_mean(leaf, parent, e.object_type)}"
+            return f"{key}: {_first_line(e.msg)}"  # a wrong type or value
+    return _first_line(str(exc)) or exc.__class__.__name__
+
+
+_full_traces = [False]  # the user asked for Hydra's full traces (HYDRA_FULL_ERROR=1)
+
+
+def run_hydra(main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` function; a config error becomes one line and exit 2.
+
+    HYDRA_FULL_ERROR=1 in the caller's environment keeps Hydra's full traces for debugging.
+    Under torchrun a config error is the same in every process of a node, so only local rank 0
+    prints it.
+    """
+    debug = _full_traces[0] = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if debug:
+            raise
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            raise SystemExit(2) from None
+        die(one_line(exc))
+    except KeyboardInterrupt:
+        die("interrupted", 130)
+
+
+def run_job(fn: Callable[..., Any], *args: Any) -> Any:
+    """Inside the Hydra job: a UserError (or a bad shard in strict mode) becomes one line and exit 2
+    here, since Hydra would print its own report for an exception leaving the job."""
+    from wdsdist.pipeline import DataError
+
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    tag = f"rank {rank}: " if world != "1" and rank != "0" else ""
+    try:
+        return fn(*args)
+    except UserError as exc:
+        die(f"{tag}{exc}")
+    except OmegaConfBaseException as exc:  # e.g. a mandatory value (???) left missing
+        if _full_traces[0]:
+            raise
+        die(f"{tag}{one_line(exc)}")
+    except DataError as exc:
+        # From a DataLoader worker the message carries the worker's traceback: keep its last line.
+        last = [line for line in str(exc).splitlines() if line.strip()][-1]
+        die(f"{tag}{last.split('DataError: ', 1)[-1]}")
