@@ -587,6 +587,8 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
         f"{t.batch_size} per rank (global {global_batch}), lr {lr:.4g}, loader.mode={cfg.loader.mode.value}"
         + (f", resumed from {resume_path} at step {start}" if resume_path else "")
     )
+    if t.resume == "auto" and resume_path is None:
+        report.line(f"trainer.resume=auto: no checkpoint in {run_dir} yet, starting at step 0")
     if train_loader.plan is not None:
         p = train_loader.plan
         report.line(
