@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NCLASSES = 10
-CONTENDERS = ("ours", "seed", "imagefolder", "limit")
+CONTENDERS = ("ours", "ours-cross", "seed", "imagefolder", "limit")
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
+    "ours-cross": "(a') ours + cross-worker shuffle 1000",
     "seed": "(b) seed: WebDataset README pipeline",
     "imagefolder": "(c) torchvision ImageFolder + DataLoader",
     "limit": "(d) limit: W x single-core decode+crop+flip",
@@ -91,9 +92,10 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     import webdataset as wds
     from torchvision.datasets import ImageFolder
 
-    if name == "ours":
+    if name in ("ours", "ours-cross"):
         from wdsdist.pipeline import LoaderConfig, make_loader
 
+        # The trainer's loader defaults (conf: loader.*), in epoch mode so that an epoch ends.
         cfg = LoaderConfig(
             batch_size=batch,
             workers=workers,
@@ -101,7 +103,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             nbatches="auto",
             image_size=224,
             shuffle_buffer=1000,
-            cross_shuffle=1000,
+            cross_shuffle=1000 if name == "ours-cross" else 0,
             partial=False,
         )
         return make_loader(info["index"], 0, 1, cfg)
