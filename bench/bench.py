@@ -95,12 +95,11 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     if name in ("ours", "ours-cross"):
         from wdsdist.pipeline import LoaderConfig, make_loader
 
-        # The trainer's loader defaults (conf: loader.*), in epoch mode so that an epoch ends.
+        # The trainer's loader defaults (conf: loader.*): epochless, as the trainer runs it.
         cfg = LoaderConfig(
             batch_size=batch,
             workers=workers,
-            mode="epoch",
-            nbatches="auto",
+            mode="repeat",
             image_size=224,
             shuffle_buffer=1000,
             cross_shuffle=1000 if name == "ours-cross" else 0,
@@ -127,31 +126,43 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
 
 
 class TreeRSS:
-    """Peak RSS of this process plus all its descendants, sampled in a thread."""
+    """Peak memory of this process plus all its descendants, sampled in a thread.
+
+    Summed PSS (proportional set size): pages shared between the main process and its forked
+    workers (torch's libraries, mostly) count once in all, not once per process as RSS would.
+    """
 
     def __init__(self, interval: float = 0.02):
         self.peak, self.interval, self._stop = 0, interval, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _tree_rss() -> int:
+    def _pss(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    @classmethod
+    def _tree_rss(cls) -> int:
         children: dict[int, list[int]] = {}
-        rss: dict[int, int] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                pid, ppid, pages = int(entry), int(fields[1]), int(fields[21])
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(pid)
-            rss[pid] = pages * os.sysconf("SC_PAGE_SIZE")
+            children.setdefault(ppid, []).append(int(entry))
         total, todo = 0, [os.getpid()]
         while todo:
             pid = todo.pop()
-            total += rss.get(pid, 0)
+            total += cls._pss(pid)
             todo.extend(children.get(pid, []))
         return total
 
@@ -190,29 +201,33 @@ def limit_rate(info: dict, seconds: float) -> dict:
     return {"per_core": n / (time.perf_counter() - start)}
 
 
-def run_one(name: str, info: dict, workers: int, batch: int, epochs: int, limit_seconds: float) -> dict:
+def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name == "limit":
         r = limit_rate(info, limit_seconds)
         return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
     with TreeRSS() as mem:
         start = time.perf_counter()
         loader = loader_for(name, info, workers, batch)
-        first = None
-        for _ in range(epochs):
-            # Throughput is the last epoch's: steady state, each loader's per-epoch costs included.
-            n, epoch_start = 0, time.perf_counter()
-            for b in loader:
-                images = b["image"] if isinstance(b, dict) else b[0]
-                n += len(images)
+        first = timed_from = None
+        n = 0
+        # Each loader is used as a trainer uses it: ours epochless, the others epoch after epoch
+        # (their per-epoch worker start-up is part of their cost). The first `warmup` batches
+        # are not timed.
+        while n < warmup + batches:
+            for _ in loader:
                 if first is None:
                     first = time.perf_counter()
-            end = time.perf_counter()
+                n += 1
+                if n == warmup:
+                    timed_from = time.perf_counter()
+                if n == warmup + batches:
+                    break
+        end = time.perf_counter()
     return {
-        "samples_per_s": n / (end - epoch_start),
+        "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
-        "samples_last_epoch": n,
-        "peak_rss_mb": mem.peak / 2**20,
-        "dtype": str(images.dtype),
+        "timed_batches": batches,
+        "peak_pss_mb": mem.peak / 2**20,
     }
 
 
@@ -224,7 +239,8 @@ def main() -> int:
     p.add_argument("--images", type=int, default=2000, help="images in the data set (default: %(default)s)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (default: all cores)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=2, help="passes per loader; the last one is timed (default: 2)")
+    p.add_argument("--warmup", type=int, default=10, help="batches before the clock starts (default: %(default)s)")
+    p.add_argument("--batches", type=int, default=100, help="batches timed (default: %(default)s, about 3 epochs)")
     p.add_argument("--limit-seconds", type=float, default=10.0, help="how long to time the decode limit")
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
@@ -233,7 +249,7 @@ def main() -> int:
     args = p.parse_args()
     info = prepare(Path(args.data), args.images)
     if args.run:
-        result = run_one(args.run, info, args.workers, args.batch, args.epochs, args.limit_seconds)
+        result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
         print(json.dumps(result))
         return 0
 
@@ -250,8 +266,10 @@ def main() -> int:
             str(args.workers),
             "--batch",
             str(args.batch),
-            "--epochs",
-            str(args.epochs),
+            "--warmup",
+            str(args.warmup),
+            "--batches",
+            str(args.batches),
             "--limit-seconds",
             str(args.limit_seconds),
             "--data",
@@ -266,7 +284,7 @@ def main() -> int:
 
     limit = results.get("limit", {}).get("samples_per_s")
     seed = results.get("seed", {}).get("samples_per_s")
-    header = f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak RSS':>10} {'x limit':>8} {'x seed':>7}"
+    header = f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak PSS':>10} {'x limit':>8} {'x seed':>7}"
     print(
         f"\n{args.images} JPEGs ({info['mean_kb']} KB mean, 500x375 q90), RandomResizedCrop(224) + flip, "
         f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}"
@@ -276,7 +294,7 @@ def main() -> int:
     for name, r in results.items():
         rate = r["samples_per_s"]
         first = f"{r['first_batch_s']:.2f} s" if "first_batch_s" in r else "-"
-        rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
+        rss = f"{r['peak_pss_mb']:.0f} MB" if "peak_pss_mb" in r else "-"
         xl = f"{rate / limit:.2f}" if limit else "-"
         xs = f"{rate / seed:.2f}" if seed else "-"
         print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {xl:>8} {xs:>7}")

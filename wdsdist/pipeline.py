@@ -15,6 +15,7 @@ and a resumed loader skips exactly those samples, before decoding them.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import itertools
 import os
@@ -124,6 +125,25 @@ def open_shard(url: str, cfg: LoaderConfig) -> io.BufferedIOBase:
 
 
 _warned = [0]
+_malloc_pinned = [False]
+
+
+def pin_malloc_threshold(nbytes: int = 1 << 20) -> None:
+    """Fix glibc's mmap threshold in this process (once).
+
+    glibc raises the threshold each time a large block (a decoded image) is freed, after which
+    such blocks come from the heap, which fragments: a persistent worker then grows by tens of
+    MB every epoch (measured: 236 -> 437 MB over 4 epochs of ImageNet-sized JPEGs). A fixed
+    1 MiB threshold keeps workers flat (~205 MB) at no cost in speed; 128 KiB would cost a
+    third of the decode rate in mmap calls.
+    """
+    if _malloc_pinned[0] or not sys.platform.startswith("linux"):
+        return
+    _malloc_pinned[0] = True
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to pin
 
 
 def warn_skip(error: Exception, limit: int = 20) -> None:
@@ -297,6 +317,7 @@ class ShardStream(IterableDataset):
                 print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[dict]:
+        pin_malloc_threshold()
         self.epoch += 1
         info = get_worker_info()
         worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
