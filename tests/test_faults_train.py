@@ -383,14 +383,14 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_resume_conti
 
 def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(shards, tmp_path):
     stall = {"WDSDIST_TEST_STALL_RANK": "1", "WDSDIST_TEST_STALL_STEP": "3"}  # faults.stall_for_test
-    proc = start_torchrun(2, *args(shards, tmp_path / "run", "trainer.steps=1000", "trainer.timeout_s=5"), env=stall)
+    proc = start_torchrun(2, *args(shards, tmp_path / "run", "trainer.steps=1000", "trainer.timeout_s=10"), env=stall)
     rc, out = finish(proc, timeout=90)  # the bound is the point: without the watchdog this never ends
     assert rc != 0
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, out
     assert not session_pids(proc.pid)  # no rank and no loader worker left behind
     assert errors[0].startswith("error: rank 1 stalled: no progress for "), errors[0]
-    assert errors[0].endswith("(trainer.timeout_s=5), waiting for its next batch at step 3; rank 0 waits for it"), (
+    assert errors[0].endswith("(trainer.timeout_s=10), waiting for its next batch at step 3; rank 0 waits for it"), (
         errors[0]
     )
 
