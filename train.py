@@ -17,7 +17,8 @@ from wdsdist import config
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from wdsdist.trainer import train  # torch loads after the config is known to be good
+    config.run_job(config.check, cfg, same_on_every_rank=True)  # bad values fail before torch loads
+    from wdsdist.trainer import train
 
     config.run_job(train, cfg)
 

@@ -122,6 +122,9 @@ def test_synthetic_train_and_val_are_disjoint_and_learnable_labels(tmp_path):
         ("bad", ["--source", "{tmp}/bad"], "unreadable image {tmp}/bad/cat/broken.jpg"),
         (None, ["--synthetic", "0"], "argument --synthetic: must be >= 1, got 0"),
         (None, ["--synthetic", "10", "--maxcount", "-3"], "argument --maxcount: must be >= 1, got -3"),
+        (None, ["--synthetic", "10", "--size", "many"], "argument --size: expected an integer, got 'many'"),
+        (None, ["--synthetic", "10", "--sizes", "8"], "unrecognized arguments: --sizes 8"),
+        (None, ["--index", "{tmp}/none-{{000..009}}.tar"], "shard spec '{tmp}/none-{{000..009}}.tar' matches no file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, expected):

@@ -210,6 +210,11 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
         ("data=imagenett", "data=imagenett: no such option (available: imagenet, synthetic)"),
         ("loader.mode=epochs", "loader.mode: Invalid value 'epochs', expected one of [repeat, epoch, resampled]"),
         ("trainer.batch_size=0", "trainer.batch_size=0: must be >= 1"),
+        ("data.image_size=-32", "data.image_size=-32: must be >= 8"),
+        ("trainer.timeout_s=0", "trainer.timeout_s=0.0: must be > 0 (seconds)"),
+        ("data.max_pixels=0", "data.max_pixels=0: must be >= 1"),
+        ("data.strict=maybe", "data.strict: Value 'maybe' is not a valid bool (type str)"),
+        ("data.strictt=true", "data.strictt: no such config key; did you mean data.strict?"),
         ("data=imagenet", "data.train_shards: missing value; give it on the command line, e.g. data.train_shards=..."),
         (
             "data.train_shards=a-{0..1}.tar",

@@ -25,7 +25,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from wdsdist.errors import UserError, die
+from wdsdist.errors import DataError, JobError, UserError, die
 
 
 class LoaderMode(Enum):
@@ -75,6 +75,10 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
+    strict: bool = False  # a bad or missing shard or sample stops training (default: skipped, warned, counted)
+    allow_pipe: bool = True  # accept pipe: shard URLs (they run a shell command); false refuses them
+    max_pixels: int = 89_478_485  # an image declaring more pixels is a corrupt sample (decompression bomb)
+    http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
 
 
 @dataclass
@@ -106,6 +110,7 @@ class TrainerConfig:
     keep: int = 3  # checkpoints kept besides latest.pt
     resume: str | None = None  # auto (latest in the run directory), a checkpoint file, or a run directory
     log_every: int = 20  # steps between log lines and TensorBoard scalars
+    timeout_s: float = 1800.0  # no rank makes progress for this long: the job fails naming the stalled rank
     device: Device = Device.auto
     amp: bool = True  # bf16 autocast (CUDA only)
     channels_last: bool = True  # CUDA only
@@ -119,7 +124,6 @@ class LoaderSection:
     shuffle_buffer: int = 1000  # raw samples per worker
     cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
     prefetch: int = 2  # batches per worker
-    strict: bool = False  # a bad shard or sample stops training (default: skipped and counted)
 
 
 @dataclass
@@ -161,6 +165,9 @@ def check(cfg: DictConfig) -> None:
     ):
         need(OmegaConf.select(cfg, key) >= 0, key, "must be >= 0")
     need(ld.prefetch >= 1, "loader.prefetch", "must be >= 1")
+    need(t.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
+    need(d.max_pixels >= 1, "data.max_pixels", "must be >= 1")
+    need(d.http_timeout > 0, "data.http_timeout", "must be > 0 (seconds)")
     need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")
     need(t.epochs is None or ld.mode == LoaderMode.epoch, "trainer.epochs", "needs loader.mode=epoch")
     need(d.image_size >= 8, "data.image_size", "must be >= 8")
@@ -261,17 +268,28 @@ def run_hydra(main: Callable[[], Any]) -> None:
         die("interrupted", 130)
 
 
-def run_job(fn: Callable[..., Any], *args: Any) -> Any:
+def run_job(fn: Callable[..., Any], *args: Any, same_on_every_rank: bool = False) -> Any:
     """Inside the Hydra job: a UserError (or a bad shard in strict mode) becomes one line and exit 2
-    here, since Hydra would print its own report for an exception leaving the job."""
-    from wdsdist.pipeline import DataError
+    here, since Hydra would print its own report for an exception leaving the job.
 
+    ``same_on_every_rank``: ``fn`` fails alike in every process (a check of the config alone), so
+    under torchrun only local rank 0 prints the error.
+    """
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     tag = f"rank {rank}: " if world != "1" and rank != "0" else ""
+    if same_on_every_rank:
+        tag = ""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            try:
+                return fn(*args)
+            except (UserError, OmegaConfBaseException):
+                raise SystemExit(2) from None
     try:
         return fn(*args)
     except UserError as exc:
         die(f"{tag}{exc}")
+    except JobError as exc:
+        die(f"{tag}{exc}", 1)
     except OmegaConfBaseException as exc:  # e.g. a mandatory value (???) left missing
         if _full_traces[0]:
             raise

@@ -12,6 +12,15 @@ class UserError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+class JobError(Exception):
+    """A job that cannot go on for a reason outside the user's input (another rank died): one
+    line, exit code 1."""
+
+
+class DataError(Exception):
+    """A shard or sample that cannot be read; the message names the shard and the key."""
+
+
 def die(message: str, code: int = 2) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)

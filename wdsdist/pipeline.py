@@ -15,11 +15,15 @@ and a resumed loader skips exactly those samples, before decoding them.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import io
 import itertools
+import multiprocessing
 import os
 import random
+import signal
 import sys
 import urllib.request
 import warnings
@@ -37,7 +41,7 @@ from webdataset.filters import _batched, _shuffle
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from wdsdist import shardspec
-from wdsdist.errors import UserError
+from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
 from wdsdist.shardspec import Shard
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
@@ -47,10 +51,6 @@ MODES = ("repeat", "epoch", "resampled")
 # torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; they remain the
 # libjpeg-turbo/libpng decoders that work here, so keep the warning out of every worker's log.
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities", category=DeprecationWarning)
-
-
-class DataError(Exception):
-    """A shard or sample that cannot be read; the message names the shard and the key."""
 
 
 @dataclass
@@ -153,6 +153,28 @@ def warn_skip(error: Exception, limit: int = 20) -> None:
         print(f"warning: skipped: {error}", file=sys.stderr, flush=True)
     elif _warned[0] == limit + 1:
         print("warning: more skipped samples; counts go on in the logs", file=sys.stderr, flush=True)
+
+
+def _worker_init(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to the trainer: a signal sent to the whole process group
+    (Slurm signals every process of a job step) must not kill them under a trainer that is
+    finishing its step and writing a checkpoint. They still end with it: the kernel kills them
+    when it exits (PR_SET_PDEATHSIG), and at its normal exit ``_end_workers`` does."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(Exception):  # Linux only; elsewhere DataLoader's own watchdog notices
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+@atexit.register
+def _end_workers() -> None:
+    """At the trainer's exit, kill the DataLoader workers still running: they ignore the SIGTERM
+    that multiprocessing would send them and then wait for in vain. (Registered after
+    multiprocessing's own exit handler, so it runs before it.)"""
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call this a crash
+    for child in children:
+        child.kill()
 
 
 # ---------------------------------------------------------------- per-sample work (in workers)
@@ -307,7 +329,8 @@ class ShardStream(IterableDataset):
                 finally:
                     stream.close()
             except Exception as exc:
-                reason = exc.args[0] if exc.args else exc  # webdataset appends streams to args
+                # webdataset appends streams to args; an OSError says more in strerror
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc.args[0] if exc.args else exc
                 error = DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {reason}")
                 if self.cfg.strict:
                     raise error from None
@@ -445,6 +468,7 @@ class RankLoader:
             persistent_workers=nw > 0,
             prefetch_factor=cfg.prefetch if nw > 0 else None,
             pin_memory=cfg.pin_memory,
+            worker_init_fn=_worker_init if nw > 0 else None,
         )
         if cfg.rebatch:
             loader = loader.unbatched().compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
@@ -470,6 +494,12 @@ class RankLoader:
             yield batch
             if i + 1 >= remaining:
                 break
+
+    def end_epoch(self) -> None:
+        """Epoch mode: end this epoch here, before its planned length (another rank ran out after
+        skipping bad data, and ranks must stay in step); the next ``iter()`` starts the next one."""
+        if self.epoch_batches is not None:
+            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
 
     def state_dict(self) -> dict:
         """The loader's exact position, small and JSON-friendly, for checkpoints."""
@@ -594,7 +624,9 @@ def make_eval_loader(
 
 class _OnePass:
     def __init__(self, dataset: ShardStream, cfg: LoaderConfig):
-        self.loader = wds.WebLoader(dataset, batch_size=None, num_workers=cfg.workers)
+        self.loader = wds.WebLoader(
+            dataset, batch_size=None, num_workers=cfg.workers, worker_init_fn=_worker_init if cfg.workers else None
+        )
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self.loader)

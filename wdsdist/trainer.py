@@ -17,7 +17,7 @@ import random
 import re
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +28,14 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist import distributed
+from wdsdist import distributed, faults
 from wdsdist.config import LoaderMode, OptimName, Stem, check
 from wdsdist.distributed import Dist
-from wdsdist.errors import UserError
+from wdsdist.errors import DataError, UserError
 from wdsdist.index import read_index
-from wdsdist.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader
+from wdsdist.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
 from wdsdist.shards import from_synthetic
+from wdsdist.shardspec import Shard
 
 CKPT_FORMAT = "wdsdist-checkpoint-v1"
 
@@ -77,7 +78,10 @@ def resolve_run_dir(cfg: DictConfig, d: Dist) -> str:
         return str(resume)
     name = distributed.shared_run_id()
     if name is None:
-        name = distributed.broadcast_object(_fresh_name(cfg.outputs) if d.is_main else None)
+        # torchrun without --rdzv_id: the first attempt's name, kept in torchrun's store, so a
+        # restart (--max-restarts) continues in the same directory.
+        name = distributed.first_value("run_name", _fresh_name(cfg.outputs)) if d.is_main else None
+        name = distributed.broadcast_object(name)
     return os.path.join(cfg.outputs, name)
 
 
@@ -137,8 +141,28 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
         dsrepeat=ld.dsrepeat,
         prefetch=ld.prefetch,
         pin_memory=d.device.type == "cuda",
-        strict=ld.strict,
+        strict=cfg.data.strict,
+        allow_pipe=cfg.data.allow_pipe,
+        max_pixels=cfg.data.max_pixels,
+        http_timeout=cfg.data.http_timeout,
     )
+
+
+def shards_of(key: str, spec: str, lcfg: LoaderConfig) -> list[Shard]:
+    """The shards a data key names; an error names the key (a spec matching nothing, missing
+    shards in strict mode, a refused pipe: URL)."""
+    try:
+        return resolve_shards(spec, lcfg)
+    except UserError as exc:
+        raise UserError(f"{key}: {exc}") from None
+
+
+def in_config_terms(fn: Any, *args: Any) -> Any:
+    """The loader's layout errors (shared with simdist.py) with the trainer's key names."""
+    try:
+        return fn(*args)
+    except UserError as exc:
+        raise UserError(re.sub(r"(?<![\w.])(nbatches|dsrepeat)(?=[<>=])", r"loader.\1", str(exc))) from None
 
 
 # ---------------------------------------------------------------- model and optimizer
@@ -241,9 +265,42 @@ def write_text(path: str, text: str) -> None:
 
 
 def _atomic_save(obj: Any, path: str) -> None:
+    """Write PATH.tmpPID, flush it to disk, then rename it over PATH: a crash at any moment leaves
+    the old file or the new one, never a torn one (a killed writer leaves only the .tmp file)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames in a directory durable (a power cut must not undo latest.pt's new target)."""
+    with suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_stale_tmp(run_dir: str) -> list[str]:
+    """Remove what writers killed mid-write left behind (NAME.tmpPID); nothing reads these."""
+    stale = [
+        p
+        for p in glob.glob(os.path.join(run_dir, "*.tmp*")) + glob.glob(os.path.join(run_dir, ".latest.pt.tmp*"))
+        if re.search(r"\.tmp\d+$", p)
+    ]
+    for p in stale:
+        with suppress(OSError):
+            os.remove(p)
+    return stale
 
 
 def _point_latest(run_dir: str, name: str) -> None:
@@ -285,30 +342,62 @@ def save_checkpoint(run_dir: str, step: int, d: Dist, model: nn.Module, opt, sch
     name = f"ckpt-{step:07d}.pt"
     _atomic_save(ckpt, os.path.join(run_dir, name))
     _point_latest(run_dir, name)
+    _fsync_dir(run_dir)
     for old in checkpoints(run_dir)[:-keep]:
         os.remove(old)
     return os.path.join(run_dir, name)
 
 
-def find_resume(resume: str | None, run_dir: str) -> str | None:
+def find_resume(resume: str | None, run_dir: str, restarted: bool = False) -> list[str]:
+    """The checkpoints to resume from, the one to try first first.
+
+    A directory (``auto``: the run directory) gives its latest.pt, then its ckpt-STEP.pt files
+    newest first, so a torn or corrupt latest falls back to the one before; a file is tried
+    alone. After a torchrun restart the run directory's own checkpoints come first, whatever
+    ``resume`` says: the restarted workers continue the interrupted run.
+    """
+    if restarted and (os.path.exists(os.path.join(run_dir, "latest.pt")) or checkpoints(run_dir)):
+        resume = "auto"
     if resume is None:
-        return None
-    if resume == "auto" or os.path.isdir(resume):
-        where = run_dir if resume == "auto" else resume
-        latest = os.path.join(where, "latest.pt")
-        if os.path.exists(latest):
-            return latest
-        if resume != "auto":
-            raise UserError(f"trainer.resume={resume}: no latest.pt in that directory")
-        return None
-    return resume
+        return []
+    if resume != "auto" and not os.path.isdir(resume):
+        return [resume]
+    where = run_dir if resume == "auto" else resume
+    found = [os.path.join(where, "latest.pt")] if os.path.exists(os.path.join(where, "latest.pt")) else []
+    seen = {os.path.realpath(p) for p in found}
+    found += [p for p in reversed(checkpoints(where)) if os.path.realpath(p) not in seen]
+    if not found and resume != "auto":
+        raise UserError(f"trainer.resume={resume}: no latest.pt or ckpt-STEP.pt in that directory")
+    return found
+
+
+def load_first(candidates: list[str]) -> tuple[str, dict, list[str]]:
+    """The first candidate that loads, its contents, and a warning for each one before it that
+    did not (torn, truncated, foreign); an error only when none loads."""
+    warnings, errors = [], []
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path), warnings
+        except UserError as exc:
+            if len(candidates) == 1:
+                raise
+            reason = str(exc).removeprefix("trainer.resume: ")
+            errors.append(reason)
+            target = f" (latest.pt -> {os.readlink(path)})" if os.path.islink(path) else ""
+            warning = f"warning: {reason}{target}; trying the checkpoint before it"
+            print(warning, file=sys.stderr, flush=True)
+            warnings.append(warning)
+    raise UserError(f"trainer.resume: none of {len(candidates)} checkpoints loads; the newest: {errors[0]}")
 
 
 def load_checkpoint(path: str) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a torn or foreign file: name it
-        raise UserError(f"trainer.resume: cannot load {path}: {str(exc).splitlines()[0]}") from None
+        reason = next((line for line in str(exc).splitlines() if line.strip()), exc.__class__.__name__)
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            reason = "the file is empty"
+        raise UserError(f"trainer.resume: cannot load {path}: {reason}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise UserError(f"trainer.resume: {path} is not a checkpoint of this trainer")
     return ckpt
@@ -357,15 +446,18 @@ def loader_state_for(ckpt: dict, path: str, d: Dist, cfg) -> dict | None:
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate(model: nn.Module, loader, d: Dist, to_input, num_classes: int, autocast) -> dict:
+def evaluate(model: nn.Module, loader, d: Dist, to_input, num_classes: int, autocast, beat=None) -> dict:
     """Top-1 and loss over every validation sample exactly once: each rank sums its own share
-    (shares may be unequal or empty) and the sums are all-reduced; no batches are padded."""
+    (shares may be unequal or empty) and the sums are all-reduced; no batches are padded.
+    ``beat(phase)`` tells the watchdog of each batch and of the wait for the other ranks."""
+    beat = beat or (lambda phase: None)
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
     total = torch.zeros(num_classes, dtype=torch.int64, device=d.device)
     correct = torch.zeros(num_classes, dtype=torch.int64, device=d.device)
     with torch.no_grad():
         for batch in loader:
+            beat("eval")
             labels = batch["label"]
             _check_labels(labels, num_classes)
             labels = labels.to(d.device, non_blocking=True)
@@ -375,6 +467,7 @@ def evaluate(model: nn.Module, loader, d: Dist, to_input, num_classes: int, auto
             total += torch.bincount(labels, minlength=num_classes)
             correct += torch.bincount(labels[logits.argmax(1) == labels], minlength=num_classes)
     model.train()
+    beat("eval-wait")
     distributed.all_reduce_sum(loss_sum)
     distributed.all_reduce_sum(total)
     distributed.all_reduce_sum(correct)
@@ -482,6 +575,7 @@ class Window:
 
     loss: torch.Tensor
     correct: torch.Tensor
+    bad: torch.Tensor  # samples and shards the loader skipped (bad data)
     samples: int = 0
     wait: float = 0.0  # seconds spent waiting for the loader
     start: float = 0.0
@@ -490,7 +584,7 @@ class Window:
     @classmethod
     def new(cls, device: torch.device) -> Window:
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(zero.clone(), zero.clone(), start=time.perf_counter())
+        return cls(zero.clone(), zero.clone(), torch.zeros(2, dtype=torch.int64), start=time.perf_counter())
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start - self.paused
@@ -506,21 +600,31 @@ def _fmt_time(seconds: float) -> str:
 
 def train(cfg: DictConfig) -> dict:
     """Train as configured; returns the summary (also written to RUN_DIR/summary.json)."""
-    d = distributed.init(cfg.trainer.device.value)
+    # Collectives outside the watched loop (start-up, the last summary) time out here; inside it
+    # the watchdog names a stalled rank after trainer.timeout_s, well before.
+    d = distributed.init(cfg.trainer.device.value, timeout_s=max(2 * cfg.trainer.timeout_s, 300.0))
+    stop = faults.StopRequest()
+    watchdog = faults.Watchdog(
+        d.rank, d.world, cfg.trainer.timeout_s, distributed.store(), f"wdsdist/{distributed.restart_count()}", stop
+    )
     try:
         on_all_ranks(d, lambda: check(cfg))
-        return _train(cfg, d)
+        return _train(cfg, d, stop, watchdog)
     finally:
+        watchdog.close()
+        stop.uninstall()
         distributed.cleanup()
 
 
-def _train(cfg: DictConfig, d: Dist) -> dict:
+def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.Watchdog) -> dict:
     t_start = time.perf_counter()
     t = cfg.trainer
     run_dir = resolve_run_dir(cfg, d)
     on_all_ranks(d, lambda: ensure_synthetic(cfg) if d.is_main else None)
+    stale: list[str] = []
     if d.is_main:
         os.makedirs(run_dir, exist_ok=True)
+        stale = remove_stale_tmp(run_dir)
         write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
 
     # Identical initial weights on every rank (DDP also broadcasts rank 0's), then per-rank seeds
@@ -542,8 +646,15 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
     lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, lr)
 
-    resume_path = on_all_ranks(d, lambda: find_resume(t.resume, run_dir))
-    ckpt = on_all_ranks(d, lambda: load_checkpoint(resume_path)) if resume_path else None
+    # Rank 0 picks the checkpoint (falling back past corrupt ones) and the others load the same.
+    restarts = distributed.restart_count()
+    candidates = on_all_ranks(d, lambda: find_resume(t.resume, run_dir, restarted=restarts > 0))
+    resume_path, ckpt, resume_warnings = None, None, []
+    if candidates:
+        found = on_all_ranks(d, lambda: load_first(candidates) if d.is_main else None)
+        resume_path = distributed.broadcast_object(found[0] if d.is_main else None)
+        ckpt = on_all_ranks(d, lambda: found[1] if d.is_main else load_checkpoint(resume_path))
+        resume_warnings = found[2] if d.is_main else []
     loader_state = on_all_ranks(d, lambda: loader_state_for(ckpt, resume_path, d, cfg)) if ckpt else None
     seed = cfg.seed
     if ckpt is not None and loader_state is None:
@@ -551,10 +662,14 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
 
     # Every rank builds (and so checks) its own loader: a layout that would hang stops here.
     lcfg = loader_config(cfg, d, seed)
-    train_loader = on_all_ranks(d, lambda: make_loader(cfg.data.train_shards, d.rank, d.world, lcfg, loader_state))
+    train_shards = on_all_ranks(d, lambda: shards_of("data.train_shards", cfg.data.train_shards, lcfg))
+    train_loader = on_all_ranks(
+        d, lambda: in_config_terms(make_loader, train_shards, d.rank, d.world, lcfg, loader_state)
+    )
     eval_loader = None
     if cfg.data.val_shards:
-        eval_loader = on_all_ranks(d, lambda: make_eval_loader(cfg.data.val_shards, d.rank, d.world, lcfg))
+        val_shards = on_all_ranks(d, lambda: shards_of("data.val_shards", cfg.data.val_shards, lcfg))
+        eval_loader = on_all_ranks(d, lambda: make_eval_loader(val_shards, d.rank, d.world, lcfg))
     steps = t.steps
     if t.epochs is not None:
         steps = t.epochs * train_loader.epoch_batches
@@ -582,9 +697,14 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
         return torch.autocast("cuda", dtype=torch.bfloat16) if cuda and t.amp else nullcontext()
 
     report = Reporter(d, run_dir, steps, start)
+    for warning in resume_warnings:
+        report.line(warning, console=False)
+    if stale:
+        report.line(f"removed {len(stale)} file(s) a killed writer left: {', '.join(stale)}", console=False)
     report.line(
         f"run dir {run_dir}: {cfg.model.name} on {d.world} x {d.device.type}, {steps} steps of "
         f"{t.batch_size} per rank (global {global_batch}), lr {lr:.4g}, loader.mode={cfg.loader.mode.value}"
+        + (f", restart {restarts} of torchrun" if restarts else "")
         + (f", resumed from {resume_path} at step {start}" if resume_path else "")
     )
     if t.resume == "auto" and resume_path is None:
@@ -601,6 +721,8 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
         report.line(f"startup {_fmt_time(time.perf_counter() - t_start)}; training", console=False)
 
     last_eval: dict | None = None
+    stop.install()
+    watchdog.start()
 
     def run_eval(step: int) -> dict | None:
         if eval_loader is None:
@@ -609,7 +731,9 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
             for buf in model.buffers():  # BatchNorm statistics: rank 0's, as in the checkpoint
                 distributed.broadcast_tensor(buf)
         t0 = time.perf_counter()
-        result = evaluate(model, eval_loader, d, to_input, cfg.data.num_classes, autocast)
+        result = evaluate(
+            model, eval_loader, d, to_input, cfg.data.num_classes, autocast, beat=lambda p: watchdog.beat(step, p)
+        )
         report.scalars(step, {"val/top1": result["top1"], "val/loss": result["loss"]})
         report.line(
             f"eval at step {step}: val top-1 {100 * result['top1']:.2f}% loss {result['loss']:.4f} "
@@ -617,26 +741,62 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
         )
         return result
 
+    def checkpoint(step: int) -> str | None:
+        watchdog.beat(step, "checkpoint")
+        path = save_checkpoint(run_dir, step, d, model, opt, sched, train_loader, cfg, t.keep)
+        report.line(f"checkpoint {path}", console=False)
+        return path
+
     # ---- the loop
     step, saved_at, last_ckpt = start, None, None
     win = Window.new(d.device)
     train_time, train_samples, train_wait = 0.0, 0, 0.0
-    skipped = torch.zeros(2, dtype=torch.int64)
+    skipped = torch.zeros(2, dtype=torch.int64)  # this rank's bad samples and shards, whole run
+    skipped_logged = [0, 0]  # all ranks' totals, as of the last log line
     images_logged = False
+    ended_without_step = False
+    stop_all = False
     it = iter(train_loader)
     ddp_model.train()
     while step < steps:
+        watchdog.beat(step, "data")
+        faults.stall_for_test(d.rank, step)
         t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:  # epoch mode: the next epoch, the same length on every rank
-            it = iter(train_loader)
-            batch = next(it)
+        batch = next(it, None)  # None: this rank's epoch is over (epoch mode)
         wait = time.perf_counter() - t0
+        watchdog.beat(step, "step")
+        # Every rank learns, in one small all-reduce, whether any rank was asked to stop and
+        # whether any rank ran out: in epoch mode a rank that skipped bad data runs out first,
+        # and every rank then ends the epoch with it instead of waiting for it forever.
+        stop_all, out_any, have_any = distributed.agree_max([stop.requested, batch is None, batch is not None])
+        if out_any:
+            if ended_without_step:
+                # Every rank agreed on this: rank 0 says it once, the others leave quietly.
+                if not d.is_main:
+                    raise SystemExit(2)
+                raise DataError(
+                    f"epoch {train_loader.tracker.epoch}: a rank delivers not one batch of {t.batch_size} "
+                    f"(its shards lost too many samples; see the warnings)"
+                )
+            if have_any:
+                out = [r for r, none in enumerate(distributed.all_gather_object(batch is None)) if none]
+                report.line(
+                    f"epoch {train_loader.tracker.epoch} ends early at step {step} on every rank: "
+                    f"rank{'s' if len(out) > 1 else ''} {', '.join(map(str, out))} ran out of data before the plan's "
+                    f"{train_loader.epoch_batches} batches (bad samples or shards skipped; see the warnings)"
+                )
+            train_loader.end_epoch()
+            it = iter(train_loader)
+            ended_without_step = True
+            if stop_all:
+                break
+            continue
+        ended_without_step = False
         labels = batch["label"]
         _check_labels(labels, cfg.data.num_classes)
-        if "bad" in batch:
-            skipped += batch["bad"].sum(0)
+        bad = batch["bad"].sum(0) if "bad" in batch else torch.zeros(2, dtype=torch.int64)
+        skipped += bad
+        win.bad += bad
         if not images_logged:
             report.images("train/batch", batch["image"], step)
             images_logged = True
@@ -656,14 +816,16 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
         win.samples += len(y)
         win.wait += wait
 
-        if step % t.log_every == 0 or step == steps:
+        if step % t.log_every == 0 or step == steps or stop_all:
             elapsed = win.elapsed()
             stats = torch.stack(
                 [win.loss, win.correct, torch.tensor(win.samples, dtype=torch.float64, device=d.device)]
             )
-            stats = torch.cat([stats, torch.tensor([win.wait, elapsed], dtype=torch.float64, device=d.device)])
+            extra = [win.wait, elapsed, *win.bad.tolist()]
+            stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float64, device=d.device)])
             distributed.all_reduce_sum(stats)
-            loss_sum, correct, samples, wait_sum, elapsed_sum = stats.tolist()
+            loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_shards = stats.tolist()
+            skipped_logged = [skipped_logged[0] + int(bad_samples), skipped_logged[1] + int(bad_shards)]
             wall = elapsed_sum / d.world
             values = {
                 "train/loss": loss_sum / samples,
@@ -671,28 +833,46 @@ def _train(cfg: DictConfig, d: Dist) -> dict:
                 "train/lr": sched.get_last_lr()[0],
                 "perf/samples_per_s": samples / wall,
                 "perf/data_wait": wait_sum / elapsed_sum,
+                "data/bad_samples": skipped_logged[0],  # all ranks, since the start of this run
+                "data/bad_shards": skipped_logged[1],
             }
             report.scalars(step, values)
             report.progress(
                 step,
                 f"loss {values['train/loss']:.4f} acc {100 * values['train/acc']:.1f}% lr {values['train/lr']:.4g} "
-                f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%",
+                f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
+                + (
+                    f" skipped {skipped_logged[0]} samples, {skipped_logged[1]} shards"
+                    if skipped_logged[0] or skipped_logged[1]
+                    else ""
+                ),
             )
             train_time += wall
             train_samples += int(samples)
             train_wait += wait_sum / d.world
             win = Window.new(d.device)
         t0 = time.perf_counter()
-        if t.eval_every and step % t.eval_every == 0 and step < steps:
+        if t.eval_every and step % t.eval_every == 0 and step < steps and not stop_all:
             last_eval = run_eval(step)
         if t.ckpt_every and step % t.ckpt_every == 0:
-            last_ckpt, saved_at = save_checkpoint(run_dir, step, d, model, opt, sched, train_loader, cfg, t.keep), step
-            report.line(f"checkpoint {last_ckpt}", console=False)
+            last_ckpt, saved_at = checkpoint(step), step
         win.paused += time.perf_counter() - t0
+        if stop_all:
+            break
+
+    if stop_all and step < steps:  # SIGTERM: a checkpoint of this step, then a prompt exit (see faults.EXIT_STOPPED)
+        if saved_at != step:
+            last_ckpt = checkpoint(step)
+        report.line(
+            f"stopped by SIGTERM at step {step} of {steps}: checkpoint {last_ckpt}; "
+            f"rerun with trainer.resume=auto to continue"
+        )
+        report.close()
+        raise SystemExit(faults.EXIT_STOPPED)
 
     last_eval = run_eval(step) if eval_loader is not None else last_eval
     if saved_at != step:  # the same decision on every rank: saving is a collective
-        last_ckpt = save_checkpoint(run_dir, step, d, model, opt, sched, train_loader, cfg, t.keep)
+        last_ckpt = checkpoint(step)
 
     # Every rank reports its own step and weights: they must agree after DDP.
     fingerprints = distributed.all_gather_object((step, params_fingerprint(model)))

@@ -1,0 +1,411 @@
+"""Faults in a training job: bad data on one rank, a killed rank, SIGTERM, a corrupt checkpoint,
+a stalled rank, hostile checkpoints. Real train.py runs under torchrun (gloo, CPU), kept tiny:
+SqueezeNet on 32-pixel images, one loader worker, no evaluation unless it is the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import ROOT, jpeg, one_error_line, run_script, write_tiny_shards
+from tests.test_train import free_port, load, overrides, torchrun, train
+from tests.test_train import shards as shards  # noqa: F401  (the module's fixture, reused)
+
+FAST = ("data.val_shards=null", "model.name=squeezenet1_1", "trainer.workers=1")
+
+
+def args(shards, run_dir: Path, *extra: str, train_spec: str | None = None) -> list[str]:
+    return overrides(shards, run_dir, *FAST, *extra, train_spec=train_spec)
+
+
+def start_torchrun(
+    nproc: int, *train_args: str, launcher: tuple[str, ...] = (), env: dict | None = None
+) -> subprocess.Popen:
+    """torchrun in its own session (so a test can signal the whole job), stderr into stdout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *launcher,
+        "train.py",
+        *train_args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120.0):
+    """Poll until ``predicate()`` is true (returns its value); fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (rc {proc.returncode}) before {what}:\n{proc.stdout.read()}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no {what} within {timeout}s")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end within {timeout}s:\n{out}")
+    return proc.returncode, out
+
+
+def rank_pids(agent: int) -> dict[int, int]:
+    """torchrun's worker processes (its children) by their RANK."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
+        if ppid == agent and rank is not None:
+            pids[int(rank)] = int(entry)
+    return pids
+
+
+def session_pids(sid: int, settle: float = 10.0) -> list[int]:
+    """Processes of a session (a job and everything it started) still alive once the kernel has
+    had ``settle`` seconds to deliver the signals that end them."""
+    deadline = time.monotonic() + settle
+    while True:
+        alive = []
+        for entry in os.listdir("/proc"):
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                alive.append(int(entry))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def log_has(run_dir: Path, text: str) -> bool:
+    log = run_dir / "train.log"
+    return log.exists() and text in log.read_text()
+
+
+# ---------------------------------------------------------------- 1, 2: bad and missing data
+
+
+@pytest.fixture(scope="module")
+def bad_shards(tmp_path_factory) -> dict:
+    """8 shards of 16 in an index: rank 1 of 2 gets the odd ones, and every one of them is bad:
+    1 truncated mid-member, 3 garbage bytes, 5 with two undecodable images, 7 deleted."""
+    root = tmp_path_factory.mktemp("bad")
+    index = write_tiny_shards(root, [16] * 8, "mixed", size=32)
+    shard = [root / f"mixed-{i:06d}.tar" for i in range(8)]
+    data = shard[1].read_bytes()
+    shard[1].write_bytes(data[: len(data) // 2 + 100])
+    shard[3].write_bytes(os.urandom(len(data) // 4))
+    import webdataset as wds
+
+    with wds.TarWriter(str(shard[5])) as w:
+        for i in range(16):
+            image = b"\xff\xd8 not a jpeg" if i in (3, 9) else jpeg(500 + i, 32)[0]
+            w.write({"__key__": f"five{i:03d}", "jpg": image, "cls": str(i % 10)})
+    shard[7].unlink()
+    return {"index": str(index), "names": [s.name for s in shard]}
+
+
+def test_bad_data_on_one_rank_is_skipped_counted_and_ranks_stay_in_step(shards, bad_shards, tmp_path):
+    # Epoch mode: the index promises 8 batches per rank per epoch; rank 1 delivers about 2. Every
+    # rank ends each epoch with it, so neither waits for the other, and both finish at step 5.
+    run = tmp_path / "run"
+    extra = ("loader.mode=epoch", "trainer.steps=5", "trainer.log_every=1")
+    proc = torchrun(2, *args(shards, run, *extra, train_spec=bad_shards["index"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rank_steps"] == [5, 5]
+    assert summary["rank_params"][0] == summary["rank_params"][1]
+    assert summary["skipped_samples"] >= 2 and summary["skipped_shards"] >= 3
+    for name in ("mixed-000001.tar", "mixed-000003.tar", "mixed-000007.tar", "mixed-000005.tar: sample 'five003'"):
+        assert name in proc.stderr  # one warning line each, from rank 1's worker
+    log = (run / "train.log").read_text()
+    assert "epoch 0 ends early at step 2 on every rank: rank 1 ran out of data" in log
+    assert " skipped " in log and " shards" in log  # the progress lines carry the counts
+
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    assert events.Scalars("data/bad_samples")[-1].value >= 2
+    assert events.Scalars("data/bad_shards")[-1].value >= 3
+
+
+def test_bad_data_in_strict_mode_stops_the_job_naming_the_shard(shards, bad_shards, tmp_path):
+    proc = torchrun(2, *args(shards, tmp_path / "run", "data.strict=true", train_spec=bad_shards["index"]))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1: ")]
+    assert errors, proc.stderr
+    assert any(name in errors[0] for name in bad_shards["names"][1::2]), errors[0]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ['data.train_shards="{root}/nothing-{{000000..000003}}.tar"'],
+            "data.train_shards: shard spec '{root}/nothing-{{000000..000003}}.tar' matches no file",
+        ),
+        (  # 2: a missing shard in strict mode
+            ['data.train_shards="{root}/train/train-{{000000..000004}}.tar"', "data.strict=true"],
+            "data.train_shards: shard spec '{root}/train/train-{{000000..000004}}.tar': 1 of 5 shards do not exist, "
+            "first {root}/train/train-000004.tar",
+        ),
+        (  # 8: pipe: URLs run a shell command; the switch refuses them
+            ["data.train_shards=pipe:cat {root}/train/train-000000.tar", "data.allow_pipe=false"],
+            "data.train_shards: pipe:cat {root}/train/train-000000.tar: pipe: URLs are refused (allow_pipe is false)",
+        ),
+        (  # 4 shards of 24 over 1 rank x 1 worker in batches of 8: 12 batches an epoch
+            ["loader.mode=epoch", "loader.nbatches=100"],
+            "loader.nbatches=100 is more than 1 ranks can deliver (rank 0: 12 batches with loader.dsrepeat=1); "
+            "use loader.nbatches<=12 or use loader.dsrepeat=9",
+        ),
+    ],
+)
+def test_bad_shards_or_layout_for_train_is_one_line_naming_the_key(shards, tmp_path, extra, message):
+    root = Path(shards["train"]).parent.parent
+    proc = run_script("train.py", *args(shards, tmp_path / "run", *[e.format(root=root) for e in extra]))
+    assert proc.returncode == 2
+    assert one_error_line(proc) == "error: " + message.format(root=root)
+
+
+# ---------------------------------------------------------------- 3: a rank dies
+
+
+def test_end_epoch_starts_the_next_epoch_whole(tiny_shards):
+    # What every rank does when another ran out early: the next epoch is whole, and a checkpoint
+    # taken in between points at its start.
+    from wdsdist.pipeline import LoaderConfig, make_loader
+
+    cfg = LoaderConfig(batch_size=4, workers=0, mode="epoch", image_size=8, shuffle_buffer=0)
+    loader = make_loader(str(tiny_shards([8, 8])), 0, 1, cfg)
+    first = next(iter(loader))
+    assert int(first["id"][0, 0]) == 0
+    loader.end_epoch()
+    assert loader.state_dict()["point"] == {"epoch": 1, "workers": {}} and loader.state_dict()["batches"] == 0
+    epoch = list(loader)
+    assert len(epoch) == 4 and {int(b["id"][0, 0]) for b in epoch} == {1}
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(shards, tmp_path):
+    # No run_dir and no --rdzv_id: the run directory's name is kept in torchrun's store, so the
+    # restarted workers find it; after a restart they resume from its latest checkpoint.
+    outputs = tmp_path / "outputs"
+    train_args = args(
+        shards, tmp_path, "run_dir=null", f"outputs={outputs}", "trainer.steps=12", "trainer.ckpt_every=2"
+    )
+    proc = start_torchrun(2, *train_args, launcher=("--max-restarts=1",))
+    latest = wait_for(lambda: next(outputs.glob("*/latest.pt"), None), "a checkpoint", proc)
+    run = latest.parent
+    saved = load(latest)["step"]
+    pids = wait_for(lambda: rank_pids(proc.pid) if len(rank_pids(proc.pid)) == 2 else None, "two ranks", proc)
+    os.kill(pids[1], signal.SIGKILL)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    assert [p.name for p in outputs.iterdir()] == [run.name]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["rank_steps"] == [12, 12]
+    assert summary["rank_params"][0] == summary["rank_params"][1]
+    assert summary["resumed_from_step"] >= saved
+    log = (run / "train.log").read_text()
+    assert f"restart 1 of torchrun, resumed from {run / 'latest.pt'} at step {summary['resumed_from_step']}" in log
+    assert not list(run.glob("*.tmp*"))
+
+
+# ---------------------------------------------------------------- 3, 5, 8: checkpoints on disk
+
+
+class FakeLoader:
+    def state_dict(self) -> dict:
+        return {"point": {"epoch": 0, "workers": {}}, "batches": 0, "workers": 1, "rank": 0, "world": 1}
+
+
+def save(run_dir: Path, step: int) -> str:
+    import torch
+    from omegaconf import OmegaConf
+
+    from wdsdist.distributed import Dist
+    from wdsdist.trainer import build_scheduler, save_checkpoint
+
+    torch.manual_seed(step)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = OmegaConf.create({"trainer": {"workers": 1}})
+    d = Dist(0, 1, 0, torch.device("cpu"))
+    return save_checkpoint(str(run_dir), step, d, model, opt, build_scheduler(opt, 10, 0.0), FakeLoader(), cfg, 3)
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_read(tmp_path, monkeypatch):
+    import torch
+
+    from wdsdist.trainer import checkpoints, find_resume, load_checkpoint, remove_stale_tmp
+
+    save(tmp_path, 2)
+
+    def torn_save(obj, f, *a, **kw):  # the disk fills up half way through
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", torn_save)
+        with pytest.raises(OSError, match="No space left"):
+            save(tmp_path, 4)
+    assert os.readlink(tmp_path / "latest.pt") == "ckpt-0000002.pt"
+    assert load_checkpoint(str(tmp_path / "latest.pt"))["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000002.pt", "latest.pt"]  # no .tmp left
+
+    # What a writer killed with SIGKILL leaves (its .tmp files) is never taken for a checkpoint,
+    # and the next start removes it.
+    (tmp_path / "ckpt-0000004.pt.tmp4242").write_bytes(b"torn")
+    (tmp_path / ".latest.pt.tmp4242").symlink_to("ckpt-0000004.pt.tmp4242")
+    assert [Path(p).name for p in checkpoints(str(tmp_path))] == ["ckpt-0000002.pt"]
+    assert find_resume("auto", str(tmp_path)) == [str(tmp_path / "latest.pt")]
+    assert len(remove_stale_tmp(str(tmp_path))) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000002.pt", "latest.pt"]
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    from wdsdist.errors import UserError
+    from wdsdist.trainer import find_resume, load_first
+
+    for step in (2, 4, 6):
+        save(tmp_path, step)
+    data = (tmp_path / "ckpt-0000006.pt").read_bytes()
+    (tmp_path / "latest.pt").write_bytes(data[: len(data) // 2])  # through the link: ckpt-0000006.pt
+    path, ckpt, warnings = load_first(find_resume("auto", str(tmp_path)))
+    assert path == str(tmp_path / "ckpt-0000004.pt") and ckpt["step"] == 4
+    assert len(warnings) == 1 and f"cannot load {tmp_path / 'latest.pt'}" in warnings[0]
+    assert "(latest.pt -> ckpt-0000006.pt); trying the checkpoint before it" in warnings[0]
+    assert warnings[0] in capsys.readouterr().err
+
+    (tmp_path / "ckpt-0000004.pt").write_bytes(os.urandom(1000))
+    path, ckpt, warnings = load_first(find_resume(str(tmp_path), "elsewhere"))
+    assert ckpt["step"] == 2 and len(warnings) == 2
+    # A file named on purpose is that file or an error, never another one.
+    with pytest.raises(UserError, match="cannot load .*ckpt-0000004.pt"):
+        load_first(find_resume(str(tmp_path / "ckpt-0000004.pt"), "elsewhere"))
+    (tmp_path / "ckpt-0000002.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="none of 3 checkpoints loads; the newest: cannot load .*latest.pt"):
+        load_first(find_resume("auto", str(tmp_path)))
+
+
+def test_train_resumes_past_a_corrupt_latest_checkpoint(shards, tmp_path):
+    run = tmp_path / "run"
+    train(shards, run, *FAST, "trainer.steps=2", "trainer.ckpt_every=1")
+    (run / "latest.pt").write_bytes(b"\0" * 100)  # ckpt-0000002.pt, through the link
+    summary = train(shards, run, *FAST, "trainer.steps=2", "trainer.resume=auto")
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 2
+    log = (run / "train.log").read_text()
+    assert f"warning: cannot load {run / 'latest.pt'}: " in log and "(latest.pt -> ckpt-0000002.pt)" in log
+    assert f"resumed from {run / 'ckpt-0000001.pt'} at step 1" in log
+
+
+class Payload:
+    """Unpickling this runs code: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_checkpoints_load_weights_only_so_a_pickled_payload_never_runs(tmp_path):
+    import torch
+
+    from wdsdist.errors import UserError
+    from wdsdist.trainer import CKPT_FORMAT, load_checkpoint
+
+    marker = tmp_path / "payload-ran"
+    torch.save({"format": CKPT_FORMAT, "step": 1, "extra": Payload(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match=r"trainer.resume: cannot load .*evil.pt: Weights only load failed"):
+        load_checkpoint(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- 4: preemption
+
+
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_resume_continues(shards, tmp_path):
+    run = tmp_path / "run"
+    proc = start_torchrun(2, *args(shards, run, "trainer.steps=1000"))
+    wait_for(lambda: log_has(run, "step 2/1000"), "step 2 in the log", proc)
+    # As a terminal or Slurm does: the whole job (agent, ranks, loader workers); the agent also
+    # forwards it to the ranks.
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, out = finish(proc)
+    assert rc != 0, out
+    assert not session_pids(proc.pid)  # the loader workers, which ignore SIGTERM, ended with their rank
+    stopped = re.search(r"stopped by SIGTERM at step (\d+) of 1000: checkpoint (\S+);", (run / "train.log").read_text())
+    assert stopped, out
+    step = int(stopped.group(1))
+    assert stopped.group(2) == str(run / f"ckpt-{step:07d}.pt")
+    assert os.readlink(run / "latest.pt") == f"ckpt-{step:07d}.pt"
+    ckpt = load(run / "latest.pt")
+    assert ckpt["step"] == step and [s["rank"] for s in ckpt["loader"]] == [0, 1]
+    assert not list(run.glob("*.tmp*"))
+
+    proc = torchrun(2, *args(shards, run, "trainer.resume=auto", f"trainer.steps={step + 2}"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] == step and summary["rank_steps"] == [step + 2] * 2
+    assert summary["rank_params"][0] == summary["rank_params"][1]
+
+
+# ---------------------------------------------------------------- 6: a stalled rank
+
+
+def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(shards, tmp_path):
+    stall = {"WDSDIST_TEST_STALL_RANK": "1", "WDSDIST_TEST_STALL_STEP": "3"}  # faults.stall_for_test
+    proc = start_torchrun(2, *args(shards, tmp_path / "run", "trainer.steps=1000", "trainer.timeout_s=10"), env=stall)
+    rc, out = finish(proc, timeout=90)  # the bound is the point: without the watchdog this never ends
+    assert rc != 0
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out
+    assert not session_pids(proc.pid)  # no rank and no loader worker left behind
+    assert errors[0].startswith("error: rank 1 stalled: no progress for "), errors[0]
+    assert errors[0].endswith("(trainer.timeout_s=10), waiting for its next batch at step 3; rank 0 waits for it"), (
+        errors[0]
+    )
+
+
+def test_the_stall_message_names_the_ranks_behind():
+    from wdsdist.faults import stall_message
+
+    states = {0: (40, 7, "step"), 1: (31, 7, "data"), 2: (33, 7, "data"), 3: (52, 7, "step")}
+    assert stall_message(states, 4, 60.4, 60) == (
+        "ranks 1, 2 stalled: no progress for 60s (trainer.timeout_s=60), waiting for its next batch at step 8; "
+        "ranks 0, 3 wait for them"
+    )
+    states = {0: (9, 3, "checkpoint"), 1: (8, 3, "data")}  # rank 0 still writes; rank 1 has moved on
+    assert stall_message(states, 2, 30, 30).startswith(
+        "rank 0 stalled: no progress for 30s (trainer.timeout_s=30), writing"
+    )
+    assert stall_message({0: (5, 2, "step"), 1: (6, 2, "step")}, 2, 9, 9).startswith("every rank stalled: ")
+    assert stall_message({0: (5, 2, "step")}, 2, 9, 9).startswith("rank 1 never reached the training loop: ")
