@@ -159,7 +159,9 @@ def _worker_init(worker_id: int) -> None:
     """DataLoader workers leave SIGTERM to the trainer: a signal sent to the whole process group
     (Slurm signals every process of a job step) must not kill them under a trainer that is
     finishing its step and writing a checkpoint. They still end with it: the kernel kills them
-    when it exits (PR_SET_PDEATHSIG), and at its normal exit ``_end_workers`` does."""
+    when it exits (PR_SET_PDEATHSIG; strictly, when the thread that started them ends, so a
+    loader is iterated from the thread that lives as long as it), and at its normal exit
+    ``_end_workers`` does."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # Linux only; elsewhere DataLoader's own watchdog notices
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
