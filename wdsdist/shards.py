@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -57,7 +58,9 @@ class ShardSink:
         if self._writer is not None and (self._count >= self.maxcount or self._size + nbytes > self.maxsize):
             self._close()
         if self._writer is None:
-            self._writer = wds.TarWriter(self._path() + ".tmp")
+            # A whole-second mtime: a float one makes tarfile add a PAX header to every member,
+            # which every reader then parses.
+            self._writer = wds.TarWriter(self._path() + ".tmp", mtime=int(time.time()))
             self._count = self._size = 0
         self._writer.write({"__key__": s.key, s.ext: s.image, "cls": str(s.label), "json": json.dumps(s.meta).encode()})
         self._count += 1
