@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -60,13 +60,6 @@ class RankPlan:
     available: int  # batches the rank's loader can yield per epoch
     batches: int  # batches delivered per epoch (after the nbatches cut)
 
-    @property
-    def samples_used(self) -> int:
-        """Samples that end up in delivered batches (upper bound when the last one is partial)."""
-        return 0 if not self.batches else min(self.samples, self.batches * self._batch_size)
-
-    _batch_size: int = field(default=1, repr=False)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -96,11 +89,6 @@ class Plan:
     @property
     def max_available(self) -> int:
         return max(r.available for r in self.ranks)
-
-    @property
-    def samples_per_epoch(self) -> int:
-        """Samples delivered per epoch over all ranks (batches x batch size, partial aware)."""
-        return sum(r.samples_used for r in self.ranks)
 
     def empty_workers(self) -> list[tuple[int, int]]:
         return [(r.rank, w.worker) for r in self.ranks for w in r.workers if not w.shards]
@@ -181,7 +169,7 @@ def plan(
         else:
             # Without partial batches the workers emit only full ones, so re-batching keeps the count.
             available = sum(w.batches for w in workers)
-        ranks.append(RankPlan(r, tuple(rank_shards), samples, tuple(workers), available, available, batch_size))
+        ranks.append(RankPlan(r, tuple(rank_shards), samples, tuple(workers), available, available))
     cut: int | None
     if nbatches == "auto":
         cut = min(r.available for r in ranks)
@@ -192,10 +180,7 @@ def plan(
         if cut < 1:
             raise ValueError(f"nbatches must be >= 1 or auto, got {nbatches}")
     if cut is not None:
-        ranks = [
-            RankPlan(r.rank, r.shards, r.samples, r.workers, r.available, min(r.available, cut), batch_size)
-            for r in ranks
-        ]
+        ranks = [RankPlan(r.rank, r.shards, r.samples, r.workers, r.available, min(r.available, cut)) for r in ranks]
     return Plan(
         nshards=len(nsamples),
         world=world,
