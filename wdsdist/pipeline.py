@@ -621,19 +621,6 @@ def make_eval_loader(
         shuffle_buffer=0,
         workers=min(cfg.workers, mine),
     )
-    counts = known_counts(shards, count_local=True)
-    if counts is None:
-        # Remote shards without an index: one pass of a plain iteration, no plan needed.
-        return _OnePass(ShardStream(shards, rank, world, ecfg), ecfg)
-    p = plan(counts, world, max(ecfg.workers, 1), ecfg.batch_size, partial=True, rebatch=False)
-    return RankLoader(shards, rank, world, ecfg, None, p)
-
-
-class _OnePass:
-    def __init__(self, dataset: ShardStream, cfg: LoaderConfig):
-        self.loader = wds.WebLoader(
-            dataset, batch_size=None, num_workers=cfg.workers, worker_init_fn=_worker_init if cfg.workers else None
-        )
-
-    def __iter__(self) -> Iterator[dict]:
-        return iter(self.loader)
+    # Epoch mode without a plan: each iter() is one whole pass, so no sample counts are needed
+    # (and no shard is opened at startup to count them).
+    return RankLoader(shards, rank, world, ecfg)
