@@ -66,6 +66,10 @@ class ShardSink:
         self._count += 1
         self._size += nbytes
 
+    def end_shard(self) -> None:
+        """Complete the shard being written now, before maxcount (layouts of uneven shards)."""
+        self._close()
+
     def abort(self) -> None:
         """Drop the shard being written; the complete ones stay, the index is not written."""
         if self._writer is not None:

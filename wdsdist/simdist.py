@@ -175,25 +175,20 @@ def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> La
 
 def write_synthetic_shards(counts: Sequence[int], outdir: str, prefix: str, *, seed: int = 0) -> str:
     """Shards of exactly ``counts`` synthetic samples (tiny images, unique keys), and their index."""
-    import webdataset as wds
-
     from wdsdist import synthetic
     from wdsdist.index import index_path, write_index
+    from wdsdist.shards import Sample, ShardSink
 
-    os.makedirs(outdir, exist_ok=True)
-    written: list[tuple[str, int]] = []
+    sink = ShardSink(outdir, prefix, maxcount=max(counts), maxsize=1 << 40)
     i = 0
-    for n, count in enumerate(counts):
-        path = os.path.join(outdir, f"{prefix}-{n:06d}.tar")
-        with wds.TarWriter(path + ".tmp") as sink:
-            for _ in range(count):
-                image, label = synthetic.draw(i, size=IMAGE_SIZE, seed=seed)
-                sink.write({"__key__": f"sample-{i:08d}", "jpg": synthetic.jpeg_bytes(image, 90), "cls": str(label)})
-                i += 1
-        os.replace(path + ".tmp", path)  # no reader ever sees half a shard
-        written.append((path, count))
+    for count in counts:
+        for _ in range(count):
+            image, label = synthetic.draw(i, size=IMAGE_SIZE, seed=seed)
+            sink.write(Sample(f"sample-{i:08d}", "jpg", synthetic.jpeg_bytes(image, 90), label, {}))
+            i += 1
+        sink.end_shard()
     index = index_path(outdir, prefix)
-    write_index(index, written, name=prefix, classes=list(synthetic.CLASSES), synthetic={"seed": seed})
+    write_index(index, sink.finish(), name=prefix, classes=list(synthetic.CLASSES), synthetic={"seed": seed})
     return index
 
 
