@@ -323,8 +323,8 @@ def checkpoints(run_dir: str) -> list[str]:
 
 def save_checkpoint(run_dir: str, step: int, d: Dist, model: nn.Module, opt, sched, loader: RankLoader, cfg, keep: int):
     """Collective: every rank hands in its loader position and RNG state; rank 0 writes."""
-    loaders = distributed.all_gather_object(loader.state_dict())
-    rngs = distributed.all_gather_object(rng_state(d))
+    gathered = distributed.all_gather_object((loader.state_dict(), rng_state(d)))  # one collective
+    loaders, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
     if not d.is_main:
         return None
     ckpt = {
