@@ -28,10 +28,6 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def initialized(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
 
 def _env_int(name: str) -> int:
     value = os.environ[name]
