@@ -38,13 +38,13 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from webdataset.filters import _batched, _shuffle
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from wdsdist import shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
 from wdsdist.shardspec import Shard
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
+from wdsdist.tarread import tar_samples
 
 MODES = ("repeat", "epoch", "resampled")
 
@@ -103,6 +103,11 @@ class LoaderConfig:
     @property
     def rebatch(self) -> bool:
         return self.cross_shuffle > 0
+
+    @property
+    def wanted_suffixes(self) -> frozenset[str]:
+        """The members a sample is read for; others are skipped unread."""
+        return frozenset(k.lower() for k in f"{self.image_key};{self.label_key}".split(";") if k)
 
 
 # ---------------------------------------------------------------- opening shards (in workers)
@@ -332,7 +337,7 @@ class ShardStream(IterableDataset):
             try:
                 stream = open_shard(url, self.cfg)
                 try:
-                    yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+                    yield from tar_samples(stream, url, self.cfg.wanted_suffixes)
                 finally:
                     stream.close()
             except Exception as exc:

@@ -1,0 +1,117 @@
+"""The fast tar reader gives exactly WebDataset's samples, in every tar format, and fails as tarfile does."""
+
+import gzip
+import io
+import tarfile
+
+import pytest
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+from wdsdist.tarread import tar_samples
+
+LONG = "d" * 60 + "/" + "e" * 70  # over ustar's 100-character name field
+
+
+def make_tar(fmt: int, members: list[tuple[str, bytes | None]]) -> bytes:
+    """Members in order; data None makes a directory, b"->" a symlink."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif data == b"->":
+                info.type, info.linkname = tarfile.SYMTYPE, "elsewhere"
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+MEMBERS = [
+    ("a/", None),
+    ("a/s1.jpg", b"J" * 1000),
+    ("a/s1.cls", b"3"),
+    ("a/s1.json", b"{}" * 40_000),  # large and unwanted: skipped by seeking
+    ("__meta__", b"skip me"),
+    ("a/s2.seg.PNG", b"P" * 513),
+    ("a/s2.cls", b"4"),
+    ("a/link.jpg", b"->"),
+    (f"{LONG}/s3.jpg", b"L" * 512),
+    (f"{LONG}/s3.cls", b"5"),
+    ("noext", b"x"),
+]
+
+
+def reference(raw: bytes) -> list[dict]:
+    return list(group_by_keys(tar_file_expander([{"url": "u", "stream": io.BytesIO(raw)}], eof_value=None)))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_same_samples_as_webdataset(fmt):
+    members = MEMBERS if fmt != tarfile.USTAR_FORMAT else [m for m in MEMBERS if LONG not in m[0]]
+    if fmt == tarfile.USTAR_FORMAT:  # ustar splits long paths into prefix + name
+        members += [("p" * 120 + "/s4.jpg", b"U" * 10), ("p" * 120 + "/s4.cls", b"6")]
+    raw = make_tar(fmt, members)
+    ours = list(tar_samples(io.BytesIO(raw), "u"))
+    assert ours == reference(raw)
+    last = "s4" if fmt == tarfile.USTAR_FORMAT else "s3"
+    assert [s["__key__"].rsplit("/", 1)[-1] for s in ours] == ["s1", "s2", last]
+    assert ours[0]["json"] == b"{}" * 40_000 and ours[1]["seg.png"] == b"P" * 513
+
+
+def test_unwanted_members_are_listed_but_not_read():
+    raw = make_tar(tarfile.PAX_FORMAT, MEMBERS)
+    ours = list(tar_samples(io.BytesIO(raw), "u", frozenset({"jpg", "cls"})))
+    assert ours[0]["jpg"] == b"J" * 1000 and ours[0]["cls"] == b"3"
+    assert "json" in ours[0] and ours[0]["json"] is None
+    assert ours[1]["seg.png"] is None and ours[1]["cls"] == b"4"
+    assert ours[2]["jpg"] == b"L" * 512
+
+
+def test_compressed_shards_go_through_tarfile():
+    raw = make_tar(tarfile.GNU_FORMAT, MEMBERS)
+    assert list(tar_samples(io.BytesIO(gzip.compress(raw)), "u")) == reference(raw)
+
+
+class Trickle(io.RawIOBase):
+    """A pipe-like stream that returns at most 100 bytes per read."""
+
+    def __init__(self, data: bytes):
+        self.data = io.BytesIO(data)
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        return self.data.read(min(n, 100) if n and n > 0 else 100)
+
+
+def test_short_reads_are_completed():
+    raw = make_tar(tarfile.PAX_FORMAT, MEMBERS)
+    assert list(tar_samples(Trickle(raw), "u")) == reference(raw)
+
+
+def test_truncated_and_garbage_raise_tarfiles_errors():
+    raw = make_tar(tarfile.GNU_FORMAT, MEMBERS)
+    cut = raw.index(b"J" * 1000) + 500  # in the middle of the first image
+    samples = tar_samples(io.BytesIO(raw[:cut]), "u")
+    with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
+        list(samples)
+    with pytest.raises(tarfile.ReadError, match="invalid header"):
+        list(tar_samples(io.BytesIO(b"\x00garbage" * 100), "u"))
+    damaged = bytearray(raw)
+    second = raw.index(b"a/s1.cls")  # a later header whose checksum no longer holds
+    damaged[second] = ord("b")
+    with pytest.raises(tarfile.ReadError, match="invalid header"):
+        list(tar_samples(io.BytesIO(bytes(damaged)), "u"))
+    with pytest.raises(tarfile.ReadError, match="empty file"):  # as before: an empty shard is an error
+        list(tar_samples(io.BytesIO(b""), "u"))
+
+
+def test_duplicate_member_is_an_error():
+    raw = make_tar(tarfile.GNU_FORMAT, [("k.jpg", b"1"), ("k.cls", b"1"), ("k.jpg", b"2")])
+    with pytest.raises(ValueError, match="k.jpg: duplicate file name"):
+        list(tar_samples(io.BytesIO(raw), "u"))
