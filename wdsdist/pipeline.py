@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import io
 import itertools
 import multiprocessing
@@ -43,6 +44,7 @@ from wdsdist import shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
 from wdsdist.shardspec import Shard
+from wdsdist.sharedbatches import SharedBatches
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
 from wdsdist.tarread import tar_samples
 
@@ -76,6 +78,7 @@ class LoaderConfig:
     dsrepeat: int = 1
     prefetch: int = 2
     pin_memory: bool = False
+    reuse_buffers: bool = True  # workers stack batches into shared buffers they reuse (sharedbatches)
     with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
     trace: bool = False  # print every shard open and close (simdist --showopen)
     strict: bool = False  # a bad shard or sample is an error (default: skipped, warned and counted)
@@ -233,19 +236,31 @@ def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> t
     return transform(image), value
 
 
-def collate(rows: list[tuple]) -> dict[str, Any]:
+def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int = 0) -> dict[str, Any]:
+    """A batch as it leaves the worker. Labels and ids stay lists (pickled inline: a small tensor
+    would cost a shared-memory file of its own); ``finish_batches`` makes tensors of them."""
     images, labels, ids, bad, keys = zip(*rows, strict=True)
-    batch: dict[str, Any] = {
+    batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad}
+    if shared is not None:
+        batch["shared"] = shared.fill(worker, list(images))
+    else:
         # default_collate stacks straight into shared memory inside a worker: the batch then
         # reaches the main process without the extra 10 MB copy the DataLoader makes otherwise.
-        "image": default_collate(list(images)),
-        "label": torch.tensor(labels, dtype=torch.int64),
-        "id": torch.tensor(ids, dtype=torch.int64),
-        "bad": torch.tensor(bad, dtype=torch.int64),  # [b, 2]: samples, shards skipped before each
-    }
+        batch["image"] = default_collate(list(images))
     if keys[0] is not None:
         batch["key"] = list(keys)
     return batch
+
+
+def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_memory: bool) -> Iterator[dict]:
+    """In the main process: each batch's images as its own tensor, labels and ids as tensors."""
+    for batch in batches:
+        if "shared" in batch:
+            batch["image"] = shared.claim(batch.pop("shared"), pin_memory)  # type: ignore[union-attr]
+        batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
+        batch["id"] = torch.tensor(batch["id"], dtype=torch.int64)
+        batch["bad"] = torch.tensor(batch["bad"], dtype=torch.int64)  # [b, 2]: samples, shards skipped before each
+        yield batch
 
 
 def collate_samples(rows: list[dict]) -> dict[str, Any]:
@@ -296,13 +311,20 @@ class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 
     def __init__(
-        self, shards: Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, resume: ResumePoint | None = None
+        self,
+        shards: Sequence[Shard],
+        rank: int,
+        world: int,
+        cfg: LoaderConfig,
+        resume: ResumePoint | None = None,
+        shared: SharedBatches | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
         self.rank, self.world, self.cfg = rank, world, cfg
         self.rank_shards = split_by_rank(self.all_shards, rank, world)
         self.resume = resume
+        self.shared = shared  # used in DataLoader workers only
         self.epoch = (resume.epoch if resume else 0) - 1  # __iter__ counts epochs, in each worker
 
     def _passes(self, worker: int, nworkers: int) -> list[Iterable[str]]:
@@ -367,6 +389,9 @@ class ShardStream(IterableDataset):
         bad = [0, 0]  # samples and shards skipped since the last row
         samples = self._samples(worker, nworkers, bad)
         transform = _transform(cfg)
+        shared = self.shared if info else None
+        if shared is not None:
+            shared.restart(worker)
 
         def rows() -> Iterator[tuple]:
             produced = 0
@@ -392,7 +417,8 @@ class ShardStream(IterableDataset):
                     f"(epoch {self.epoch}); see the warnings above"
                 )
 
-        return _batched(rows(), cfg.batch_size, collation_fn=collate, partial=partial)
+        collation = functools.partial(collate, shared=shared, worker=worker)
+        return _batched(rows(), cfg.batch_size, collation_fn=collation, partial=partial)
 
 
 # ---------------------------------------------------------------- the rank's loader
@@ -471,17 +497,21 @@ class RankLoader:
         self.tracker = ConsumedTracker(point.epoch if point else 0)
         if point is not None:
             self.tracker.load(point, int(state.get("batches", 0)))
-        self.dataset = ShardStream(shards, rank, world, cfg, point)
         nw = cfg.workers
+        shared = None
+        if nw > 0 and cfg.reuse_buffers:
+            shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+            shared = SharedBatches(nw, cfg.prefetch + 1, shape)
+        self.dataset = ShardStream(shards, rank, world, cfg, point, shared)
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,
             num_workers=nw,
             persistent_workers=nw > 0,
             prefetch_factor=cfg.prefetch if nw > 0 else None,
-            pin_memory=cfg.pin_memory,
+            pin_memory=cfg.pin_memory and shared is None,  # else finish_batch copies into pinned memory
             worker_init_fn=_worker_init if nw > 0 else None,
-        )
+        ).compose(functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory))
         if cfg.rebatch:
             loader = loader.unbatched().compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
             loader = loader.batched(cfg.batch_size, collation_fn=collate_samples, partial=cfg.partial)
@@ -625,6 +655,7 @@ def make_eval_loader(
         cross_shuffle=0,
         shuffle_buffer=0,
         workers=min(cfg.workers, mine),
+        reuse_buffers=False,  # passes are short and far apart: no shared memory held between them
     )
     # Epoch mode without a plan: each iter() is one whole pass, so no sample counts are needed
     # (and no shard is opened at startup to count them).

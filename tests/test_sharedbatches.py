@@ -1,0 +1,63 @@
+"""Workers' reused shared batch buffers: the caller's batches are its own, nothing is overwritten,
+and a worker never takes a buffer that was not handed back."""
+
+import pytest
+import torch
+
+from wdsdist import shardspec
+from wdsdist.pipeline import LoaderConfig, make_loader
+from wdsdist.sharedbatches import SharedBatches
+
+
+def images(value: int, n: int = 3) -> list[torch.Tensor]:
+    return [torch.full((3, 4, 4), value + i, dtype=torch.uint8) for i in range(n)]
+
+
+def test_claimed_batches_are_copies_and_buffers_come_back():
+    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 4, 4), wait_s=0.2)
+    shared.restart(0)
+    first, second = shared.fill(0, images(10)), shared.fill(0, images(20, n=2))
+    assert first[2] != second[2] and second[3] == 2  # two buffers, a short batch keeps its length
+    with pytest.raises(RuntimeError, match=r"worker 0: no batch buffer handed back in 0s \(all 2 in use"):
+        shared.fill(0, images(30))
+    got = shared.claim(first)
+    assert got.tolist() == torch.stack(images(10)).tolist()
+    third = shared.fill(0, images(30))  # the buffer handed back is the one taken
+    assert third[2] == first[2]
+    assert got.tolist() == torch.stack(images(10)).tolist()  # the claimed copy is untouched
+    assert tuple(shared.claim(second).shape) == (2, 3, 4, 4)
+
+
+def test_a_restart_frees_every_buffer_and_ignores_late_releases():
+    shared = SharedBatches(workers=2, buffers=1, shape=(3, 3, 4, 4), wait_s=0.2)
+    shared.restart(1)
+    stale = shared.fill(1, images(1))
+    shared.restart(1)  # a new iteration: the DataLoader dropped what was in flight
+    fresh = shared.fill(1, images(2))
+    shared.claim(stale)  # handed back too late: it must not free the buffer `fresh` is in
+    with pytest.raises(RuntimeError, match="worker 1: no batch buffer"):
+        shared.fill(1, images(3))
+    assert shared.claim(fresh).tolist() == torch.stack(images(2)).tolist()
+
+
+@pytest.mark.parametrize("mode", ["repeat", "epoch"])
+def test_loader_batches_equal_those_without_shared_buffers(tiny_shards, mode):
+    """Every batch kept (none consumed before the next arrives) equals the same loader's batch
+    without shared buffers, over several epochs and the DataLoader resets between them."""
+    shards = shardspec.expand(str(tiny_shards([9, 14, 11, 8])))
+    base = dict(batch_size=4, workers=2, mode=mode, image_size=8, shuffle_buffer=10, prefetch=1)
+    if mode == "epoch":
+        base["nbatches"] = 3  # cut short: batches in flight are dropped at every epoch's end
+    runs = {}
+    for reuse in (True, False):
+        loader = make_loader(shards, 0, 1, LoaderConfig(**base, reuse_buffers=reuse))
+        torch.manual_seed(0)  # the workers' seeds, so both runs crop alike
+        if mode == "epoch":
+            runs[reuse] = [b for _ in range(4) for b in loader]
+        else:
+            runs[reuse] = [b for b, _ in zip(loader, range(30), strict=False)]
+    assert (runs[True][0]["image"].ne(0)).any()  # real pixels
+    assert len(runs[True]) == len(runs[False]) == (12 if mode == "epoch" else 30)
+    for ours, plain in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(ours["id"], plain["id"]) and ours["label"].tolist() == plain["label"].tolist()
+        assert torch.equal(ours["image"], plain["image"])

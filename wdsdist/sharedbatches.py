@@ -1,0 +1,82 @@
+"""Shared-memory batch buffers that DataLoader workers fill and reuse, batch after batch.
+
+A worker that returns a new tensor pays for a new shared-memory file per batch: create it,
+have the kernel zero it (torch fallocates shared memory) and fault in every page, then the main
+process maps it again and faults once more. Measured for one batch of 64 x 3 x 224 x 224 uint8:
+8.0 ms stacked into a new shared-memory tensor against 0.33 ms into a reused one, about 8 % of
+a worker's time at ImageNet sizes. So each worker owns a few buffers, allocated once before the
+workers start; a batch leaves the worker as a buffer number plus its labels, and the main
+process copies the images out (about 1 ms, into pinned memory when the batches go to a GPU)
+and hands the buffer back at once. The batch the caller gets is its own tensor, as before.
+
+Handing back goes through one pipe per worker (main process -> worker), written
+synchronously. A worker restarting its iteration (each epoch, each DataLoader reset) takes every
+buffer as free again: the DataLoader discards, unclaimed, any batch of the previous iteration
+still in flight, and each release carries the iteration it belongs to, so a late one is ignored.
+A worker has at most ``prefetch`` batches assigned and not yet taken, plus the one being copied,
+so ``prefetch + 1`` buffers per worker never make it wait for long.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import struct
+
+import torch
+
+_RELEASE = struct.Struct("<qq")  # (iteration, buffer)
+
+
+class SharedBatches:
+    def __init__(self, workers: int, buffers: int, shape: tuple[int, ...], wait_s: float = 300.0):
+        self.shape, self.nbuffers, self.wait_s = tuple(shape), buffers, wait_s
+        self.buffers = [torch.empty((buffers, *shape), dtype=torch.uint8).share_memory_() for _ in range(workers)]
+        pipes = [multiprocessing.Pipe(duplex=False) for _ in range(workers)]
+        self._released = [reader for reader, _ in pipes]
+        self._release = [writer for _, writer in pipes]
+        # A worker's own view (each worker has its copy of this object):
+        self.iteration = 0
+        self._free: set[int] = set()
+
+    # ---------------------------------------------------------------- in a worker
+
+    def restart(self, worker: int) -> None:
+        """A new iteration: every buffer is free (what is in flight was discarded)."""
+        reader = self._released[worker]
+        while reader.poll():
+            reader.recv_bytes()
+        self.iteration += 1
+        self._free = set(range(self.nbuffers))
+
+    def fill(self, worker: int, images: list[torch.Tensor]) -> tuple[int, int, int, int]:
+        """Stack ``images`` into a free buffer; returns the reference that travels in the batch."""
+        k = self._take(worker)
+        torch.stack(images, out=self.buffers[worker][k, : len(images)])
+        return worker, self.iteration, k, len(images)
+
+    def _take(self, worker: int) -> int:
+        reader = self._released[worker]
+        while reader.poll() or not self._free:
+            if not reader.poll(self.wait_s):
+                raise RuntimeError(
+                    f"DataLoader worker {worker}: no batch buffer handed back in {self.wait_s:.0f}s "
+                    f"(all {self.nbuffers} in use; the main process stopped taking batches)"
+                )
+            iteration, k = _RELEASE.unpack(reader.recv_bytes())
+            if iteration == self.iteration:
+                self._free.add(k)
+        return self._free.pop()
+
+    # ---------------------------------------------------------------- in the main process
+
+    def claim(self, ref: tuple[int, int, int, int], pin_memory: bool = False) -> torch.Tensor:
+        """The images of a batch as the caller's own tensor; the buffer goes back to its worker."""
+        worker, iteration, k, n = ref
+        source = self.buffers[worker][k, :n]
+        images = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin_memory)
+        # One plain memcpy on this thread: Tensor.copy_ would split it over OpenMP threads that
+        # then spin on the cores the workers decode on (measured: main process 15 % CPU -> 4 %).
+        ctypes.memmove(images.data_ptr(), source.data_ptr(), source.numel())
+        self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
+        return images
