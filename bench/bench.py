@@ -2,9 +2,11 @@
 """Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
 ImageFolder, and the decode limit. Run with ``./run bench.py`` (see --help).
 
-Each contender runs in its own subprocess, so its peak memory (RSS summed over the process
-and its DataLoader workers, sampled every 20 ms) is its own. Data: ImageNet-like JPEGs
-(500x375, quality 90, about 90 KB), written once as shards and as an ImageFolder tree.
+Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
+process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
+Contenders run in rounds (--repeat), interleaved, and the table gives each one's median round,
+so a slow minute of a shared machine does not land on one contender only. Data: ImageNet-like
+JPEGs (500x375, quality 90, about 90 KB), written once as shards and as an ImageFolder tree.
 Work: RandomResizedCrop(224) + horizontal flip, batches of 64, W DataLoader workers.
 """
 
@@ -125,50 +127,59 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     raise ValueError(name)
 
 
-class TreeRSS:
-    """Peak memory of this process plus all its descendants, sampled in a thread.
+class TreeMemory:
+    """Memory of this process plus all its descendants (the DataLoader workers).
 
-    Summed PSS (proportional set size): pages shared between the main process and its forked
-    workers (torch's libraries, mostly) count once in all, not once per process as RSS would.
+    ``peak_rss``: the summed RSS, sampled every 20 ms from /proc/PID/statm, which the kernel
+    answers from counters (0.03 ms a process). ``pss()``: the summed PSS, in which pages shared
+    between the main process and its forked workers (torch's libraries, mostly) count once in all
+    rather than once per process; it needs /proc/PID/smaps_rollup, which walks the page tables
+    (17-24 ms a process here), so it is read only outside the timed window. Sampling smaps_rollup
+    every 20 ms during the run took most of a core and halved the loader's measured rate.
     """
 
     def __init__(self, interval: float = 0.02):
-        self.peak, self.interval, self._stop = 0, interval, threading.Event()
+        self.peak_rss, self.interval, self._stop = 0, interval, threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _pss(pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    @classmethod
-    def _tree_rss(cls) -> int:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-        total, todo = 0, [os.getpid()]
+    def _tree() -> list[int]:
+        pids, todo = [], [os.getpid()]
         while todo:
             pid = todo.pop()
-            total += cls._pss(pid)
-            todo.extend(children.get(pid, []))
+            pids.append(pid)
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                continue  # it ended meanwhile
+        return pids
+
+    def _rss(self) -> int:
+        total = 0
+        for pid in self._tree():
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * self._page
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def pss(self) -> int:
+        total = 0
+        for pid in self._tree():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+            except (OSError, StopIteration):
+                pass
         return total
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._tree_rss())
+            self.peak_rss = max(self.peak_rss, self._rss())
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -178,7 +189,6 @@ class TreeRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._tree_rss())
 
 
 def limit_rate(info: dict, seconds: float) -> dict:
@@ -205,7 +215,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
     if name == "limit":
         r = limit_rate(info, limit_seconds)
         return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
-    with TreeRSS() as mem:
+    with TreeMemory() as mem:
         start = time.perf_counter()
         loader = loader_for(name, info, workers, batch)
         first = timed_from = None
@@ -223,15 +233,29 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
                 if n == warmup + batches:
                     break
         end = time.perf_counter()
+        pss = mem.pss()  # after the clock stopped, with the loader and its workers still alive
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
         "timed_batches": batches,
-        "peak_pss_mb": mem.peak / 2**20,
+        "peak_rss_mb": mem.peak_rss / 2**20,
+        "pss_mb": pss / 2**20,
     }
 
 
 # ---------------------------------------------------------------- the report
+
+
+def run_contender(name: str, args: argparse.Namespace) -> dict | None:
+    """One contender in a fresh subprocess; None (its stderr printed) if it failed."""
+    cmd = [sys.executable, __file__, "--run", name, "--images", str(args.images), "--workers", str(args.workers)]
+    cmd += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--batches", str(args.batches)]
+    cmd += ["--limit-seconds", str(args.limit_seconds), "--data", args.data]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if out.returncode != 0:
+        print(out.stderr, file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -245,6 +269,7 @@ def main() -> int:
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
     p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
+    p.add_argument("--repeat", type=int, default=3, help="rounds over all contenders (default: %(default)s)")
     p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
     args = p.parse_args()
     info = prepare(Path(args.data), args.images)
@@ -253,52 +278,44 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    results = {}
-    for name in args.only or CONTENDERS:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--run",
-            name,
-            "--images",
-            str(args.images),
-            "--workers",
-            str(args.workers),
-            "--batch",
-            str(args.batch),
-            "--warmup",
-            str(args.warmup),
-            "--batches",
-            str(args.batches),
-            "--limit-seconds",
-            str(args.limit_seconds),
-            "--data",
-            args.data,
-        ]
-        print(f"running {LABELS[name]} ...", file=sys.stderr, flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        if out.returncode != 0:
-            print(out.stderr, file=sys.stderr)
-            return 1
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    names = args.only or CONTENDERS
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(args.repeat):
+        for name in names:
+            print(f"round {round_ + 1}/{args.repeat}: {LABELS[name]} ...", file=sys.stderr, flush=True)
+            result = run_contender(name, args)
+            if result is None:
+                return 1
+            rounds[name].append(result)
+    # Each contender's median round by rate (the whole round, so its numbers belong together).
+    results = {name: sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] for name, rs in rounds.items()}
 
     limit = results.get("limit", {}).get("samples_per_s")
     seed = results.get("seed", {}).get("samples_per_s")
-    header = f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak PSS':>10} {'x limit':>8} {'x seed':>7}"
+    header = (
+        f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak RSS':>10} {'PSS at end':>11} "
+        f"{'x limit':>8} {'x seed':>7}"
+    )
     print(
         f"\n{args.images} JPEGs ({info['mean_kb']} KB mean, 500x375 q90), RandomResizedCrop(224) + flip, "
-        f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}"
+        f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
+        f"median of {args.repeat} rounds"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         rate = r["samples_per_s"]
         first = f"{r['first_batch_s']:.2f} s" if "first_batch_s" in r else "-"
-        rss = f"{r['peak_pss_mb']:.0f} MB" if "peak_pss_mb" in r else "-"
+        rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
+        pss = f"{r['pss_mb']:.0f} MB" if "pss_mb" in r else "-"
         xl = f"{rate / limit:.2f}" if limit else "-"
         xs = f"{rate / seed:.2f}" if seed else "-"
-        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {xl:>8} {xs:>7}")
-    report = {"config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]}, "results": results}
+        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {pss:>11} {xl:>8} {xs:>7}")
+    report = {
+        "config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]},
+        "results": results,
+        "rounds": rounds,
+    }
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
