@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from wdsdist import shardspec
-from wdsdist.pipeline import LoaderConfig, make_loader
+from wdsdist.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
 from wdsdist.sharedbatches import SharedBatches
 
 
@@ -61,3 +61,22 @@ def test_loader_batches_equal_those_without_shared_buffers(tiny_shards, mode):
     for ours, plain in zip(runs[True], runs[False], strict=True):
         assert torch.equal(ours["id"], plain["id"]) and ours["label"].tolist() == plain["label"].tolist()
         assert torch.equal(ours["image"], plain["image"])
+
+
+def test_cross_worker_shuffle_samples_do_not_keep_their_batch_alive():
+    """Each sample leaving a batch for the shuffle buffer owns its image: a view would pin the
+    whole batch in memory until its last sample left the buffer."""
+    shared = SharedBatches(workers=1, buffers=1, shape=(3, 3, 4, 4))
+    shared.restart(0)
+    ref = shared.fill(0, images(40))
+    plain = {"image": torch.stack(images(50)), "label": [1, 2, 3], "id": [(0, 0, i) for i in range(3)]}
+    batches = [{"shared": ref, "label": [4, 5, 6], "id": [(0, 0, i) for i in range(3, 6)], "bad": [(0, 0)] * 3}]
+    batches.append(plain | {"bad": [(0, 0)] * 3, "key": ["a", "b", "c"]})
+    samples = list(unbatch_samples(batches, shared))
+    assert [s["label"] for s in samples] == [4, 5, 6, 1, 2, 3] and samples[3]["key"] == "a"
+    for s in samples:
+        assert s["image"].untyped_storage().nbytes() == 3 * 4 * 4  # its own, not its batch's
+    assert samples[0]["image"].tolist() == images(40)[0].tolist()
+    batch = collate_samples(samples[:4])
+    assert batch["image"].tolist() == torch.stack([s["image"] for s in samples[:4]]).tolist()
+    assert batch["id"].tolist() == [[0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 0]] and "key" not in batch

@@ -6,7 +6,7 @@ One rank's loader, in order:
      read ``dsrepeat`` times -> tar -> shuffle buffer of raw (compressed) samples
   -> decode -> augment -> batch inside the worker, into a shared buffer it reuses
   -> WebLoader(batch_size=None) -> the batch copied out (uint8 NCHW images, int64 labels)
-  -> optional unbatched().shuffle(N).batched(B) across workers
+  -> optional shuffle of samples across the rank's workers, then batched again
   -> epochless (each worker runs from epoch to epoch without stopping), or one epoch cut to
      ``nbatches``.
 
@@ -46,7 +46,7 @@ from wdsdist import shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
 from wdsdist.shardspec import Shard
-from wdsdist.sharedbatches import SharedBatches
+from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
 from wdsdist.tarread import tar_samples
 
@@ -265,15 +265,29 @@ def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_me
         yield batch
 
 
-def collate_samples(rows: list[dict]) -> dict[str, Any]:
-    """Re-batch unbatched samples (dicts of one row each) after the cross-worker shuffle."""
+def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None) -> Iterator[dict]:
+    """In the main process, for the cross-worker shuffle: the samples of each batch, each image
+    its own tensor. A view into its batch would keep the whole batch alive in the shuffle buffer
+    until the last of its samples left (measured: 3.2 GB peak RSS with a buffer of 1000)."""
+    for batch in batches:
+        if "shared" in batch:
+            images = shared.claim_rows(batch.pop("shared"))  # type: ignore[union-attr]
+        else:
+            images = [plain_copy(image) for image in batch.pop("image")]
+        keys = batch.get("key") or [None] * len(images)
+        for image, label, id_, bad, key in zip(images, batch["label"], batch["id"], batch["bad"], keys, strict=True):
+            yield {"image": image, "label": label, "id": id_, "bad": bad, "key": key}
+
+
+def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any]:
+    """Re-batch samples after the cross-worker shuffle."""
     batch: dict[str, Any] = {
-        "image": torch.stack([r["image"] for r in rows]),
-        "label": torch.stack([r["label"] for r in rows]),
-        "id": torch.stack([r["id"] for r in rows]),
-        "bad": torch.stack([r["bad"] for r in rows]),
+        "image": plain_stack([r["image"] for r in rows], pin_memory),
+        "label": torch.tensor([r["label"] for r in rows], dtype=torch.int64),
+        "id": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
+        "bad": torch.tensor([r["bad"] for r in rows], dtype=torch.int64),
     }
-    if "key" in rows[0]:
+    if rows[0]["key"] is not None:
         batch["key"] = [r["key"] for r in rows]
     return batch
 
@@ -549,12 +563,17 @@ class RankLoader:
             num_workers=nw,
             persistent_workers=nw > 0,
             prefetch_factor=cfg.prefetch if nw > 0 else None,
-            pin_memory=cfg.pin_memory and shared is None,  # else finish_batch copies into pinned memory
+            # With shared buffers, the batches are copied into pinned memory as they are claimed.
+            pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch,
             worker_init_fn=_worker_init if nw > 0 else None,
-        ).compose(functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory))
+        )
         if cfg.rebatch:
-            loader = loader.unbatched().compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
-            loader = loader.batched(cfg.batch_size, collation_fn=collate_samples, partial=cfg.partial)
+            loader = loader.compose(functools.partial(unbatch_samples, shared=shared))
+            loader = loader.compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
+            collation = functools.partial(collate_samples, pin_memory=cfg.pin_memory)
+            loader = loader.batched(cfg.batch_size, collation_fn=collation, partial=cfg.partial)
+        else:
+            loader = loader.compose(functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory))
         self.epoch_batches: int | None = None
         if cfg.mode == "epoch":
             self.epoch_batches = plan_.ranks[rank].batches if plan_ is not None else None
