@@ -224,7 +224,8 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         # (their per-epoch worker start-up is part of their cost). The first `warmup` batches
         # are not timed.
         while n < warmup + batches:
-            for _ in loader:
+            it = iter(loader)  # held until the PSS is read: a loader's workers live as long as it
+            for _ in it:
                 if first is None:
                     first = time.perf_counter()
                 n += 1
