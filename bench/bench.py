@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -27,13 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NCLASSES = 10
-CONTENDERS = ("ours", "ours-cross", "seed", "imagefolder", "limit")
+CONTENDERS = ("ours", "ours-cross", "seed", "imagefolder", "limit", "side-by-side")
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
     "ours-cross": "(a') ours + cross-worker shuffle 1000",
     "seed": "(b) seed: WebDataset README pipeline",
     "imagefolder": "(c) torchvision ImageFolder + DataLoader",
     "limit": "(d) limit: W x single-core decode+crop+flip",
+    "side-by-side": "(d') W such loops at once, summed",
 }
 
 
@@ -157,25 +159,22 @@ class TreeMemory:
                 continue  # it ended meanwhile
         return pids
 
-    def _rss(self) -> int:
+    def _sum(self, name: str, parse) -> int:
+        """A /proc/PID/NAME figure summed over the tree (processes that end meanwhile count 0)."""
         total = 0
         for pid in self._tree():
             try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * self._page
-            except (OSError, IndexError, ValueError):
+                with open(f"/proc/{pid}/{name}") as f:
+                    total += parse(f)
+            except (OSError, IndexError, ValueError, StopIteration):
                 pass
         return total
 
+    def _rss(self) -> int:
+        return self._sum("statm", lambda f: int(f.read().split()[1]) * self._page)
+
     def pss(self) -> int:
-        total = 0
-        for pid in self._tree():
-            try:
-                with open(f"/proc/{pid}/smaps_rollup") as f:
-                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-            except (OSError, StopIteration):
-                pass
-        return total
+        return self._sum("smaps_rollup", lambda f: next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:")))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -191,8 +190,9 @@ class TreeMemory:
         self._thread.join()
 
 
-def limit_rate(info: dict, seconds: float) -> dict:
-    """Single-core rate of our per-sample work (decode + RandomResizedCrop + flip), no loader."""
+def limit_rate(info: dict, seconds: float, barrier=None, results=None) -> dict:
+    """Single-core rate of our per-sample work (decode + RandomResizedCrop + flip), no loader.
+    With ``barrier``, the clock starts when every process of the barrier is ready."""
     import torch
     import webdataset as wds
 
@@ -204,17 +204,35 @@ def limit_rate(info: dict, seconds: float) -> dict:
     samples = list(wds.WebDataset(url, shardshuffle=False, empty_check=False))  # in memory: no I/O
     cfg = LoaderConfig(batch_size=64, image_size=224)
     transform = _transform(cfg)
+    decode_sample(samples[0], cfg, transform)
+    if barrier is not None:
+        barrier.wait()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         decode_sample(samples[n % len(samples)], cfg, transform)
         n += 1
-    return {"per_core": n / (time.perf_counter() - start)}
+    result = {"per_core": n / (time.perf_counter() - start)}
+    if results is not None:
+        results.put(result["per_core"])
+    return result
 
 
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name == "limit":
         r = limit_rate(info, limit_seconds)
         return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
+    if name == "side-by-side":
+        # What W cores give together on this machine right now (shared caches, memory bandwidth,
+        # other tenants): the same loop in W processes at once.
+        ctx = multiprocessing.get_context("spawn")
+        barrier, results = ctx.Barrier(workers), ctx.Queue()
+        procs = [ctx.Process(target=limit_rate, args=(info, limit_seconds, barrier, results)) for _ in range(workers)]
+        for proc in procs:
+            proc.start()
+        rates = [results.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        return {"samples_per_s": sum(rates), "per_process": rates}
     with TreeMemory() as mem:
         start = time.perf_counter()
         loader = loader_for(name, info, workers, batch)
