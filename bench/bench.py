@@ -288,7 +288,7 @@ def main() -> int:
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
     p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
-    p.add_argument("--repeat", type=int, default=3, help="rounds over all contenders (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=5, help="rounds over all contenders (default: %(default)s)")
     p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
     args = p.parse_args()
     info = prepare(Path(args.data), args.images)
