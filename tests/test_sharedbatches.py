@@ -1,5 +1,5 @@
 """Workers' reused shared batch buffers: the caller's batches are its own, nothing is overwritten,
-and a worker never takes a buffer that was not handed back."""
+a worker never takes a buffer that was not handed back, and never waits for one."""
 
 import pytest
 import torch
@@ -14,12 +14,13 @@ def images(value: int, n: int = 3) -> list[torch.Tensor]:
 
 
 def test_claimed_batches_are_copies_and_buffers_come_back():
-    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 4, 4), wait_s=0.2)
+    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 4, 4))
     shared.restart(0)
     first, second = shared.fill(0, images(10)), shared.fill(0, images(20, n=2))
     assert first[2] != second[2] and second[3] == 2  # two buffers, a short batch keeps its length
-    with pytest.raises(RuntimeError, match=r"worker 0: no batch buffer handed back in 0s \(all 2 in use"):
-        shared.fill(0, images(30))
+    # More batches in flight than buffers (the DataLoader hands a worker the share of workers
+    # that ended): no buffer, and the caller stacks the batch elsewhere rather than wait.
+    assert shared.fill(0, images(30)) is None
     got = shared.claim(first)
     assert got.tolist() == torch.stack(images(10)).tolist()
     third = shared.fill(0, images(30))  # the buffer handed back is the one taken
@@ -29,35 +30,42 @@ def test_claimed_batches_are_copies_and_buffers_come_back():
 
 
 def test_a_restart_frees_every_buffer_and_ignores_late_releases():
-    shared = SharedBatches(workers=2, buffers=1, shape=(3, 3, 4, 4), wait_s=0.2)
+    shared = SharedBatches(workers=2, buffers=1, shape=(3, 3, 4, 4))
     shared.restart(1)
     stale = shared.fill(1, images(1))
     shared.restart(1)  # a new iteration: the DataLoader dropped what was in flight
     fresh = shared.fill(1, images(2))
     shared.claim(stale)  # handed back too late: it must not free the buffer `fresh` is in
-    with pytest.raises(RuntimeError, match="worker 1: no batch buffer"):
-        shared.fill(1, images(3))
+    assert shared.fill(1, images(3)) is None
     assert shared.claim(fresh).tolist() == torch.stack(images(2)).tolist()
 
 
-@pytest.mark.parametrize("mode", ["repeat", "epoch"])
-def test_loader_batches_equal_those_without_shared_buffers(tiny_shards, mode):
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores is the point
+@pytest.mark.parametrize(
+    "counts,workers,mode,nbatches",
+    [
+        ([9, 14, 11, 8], 2, "repeat", None),
+        ([9, 14, 11, 8], 2, "epoch", 3),  # cut short: batches in flight are dropped at each epoch's end
+        # Two of three workers end their epoch early and the DataLoader hands their share to the
+        # one left: more batches in flight than it has buffers.
+        ([40, 4, 4], 3, "epoch", 8),
+    ],
+)
+def test_loader_batches_equal_those_without_shared_buffers(tiny_shards, counts, workers, mode, nbatches):
     """Every batch kept (none consumed before the next arrives) equals the same loader's batch
     without shared buffers, over several epochs and the DataLoader resets between them."""
-    shards = shardspec.expand(str(tiny_shards([9, 14, 11, 8])))
-    base = dict(batch_size=4, workers=2, mode=mode, image_size=8, shuffle_buffer=10, prefetch=1)
-    if mode == "epoch":
-        base["nbatches"] = 3  # cut short: batches in flight are dropped at every epoch's end
+    shards = shardspec.expand(str(tiny_shards(counts)))
+    base = dict(batch_size=4, workers=workers, mode=mode, image_size=8, shuffle_buffer=10, prefetch=1)
     runs = {}
     for reuse in (True, False):
-        loader = make_loader(shards, 0, 1, LoaderConfig(**base, reuse_buffers=reuse))
+        loader = make_loader(shards, 0, 1, LoaderConfig(**base, nbatches=nbatches, reuse_buffers=reuse))
         torch.manual_seed(0)  # the workers' seeds, so both runs crop alike
         if mode == "epoch":
             runs[reuse] = [b for _ in range(4) for b in loader]
         else:
             runs[reuse] = [b for b, _ in zip(loader, range(30), strict=False)]
     assert (runs[True][0]["image"].ne(0)).any()  # real pixels
-    assert len(runs[True]) == len(runs[False]) == (12 if mode == "epoch" else 30)
+    assert len(runs[True]) == len(runs[False]) == (4 * nbatches if nbatches else 30)
     for ours, plain in zip(runs[True], runs[False], strict=True):
         assert torch.equal(ours["id"], plain["id"]) and ours["label"].tolist() == plain["label"].tolist()
         assert torch.equal(ours["image"], plain["image"])

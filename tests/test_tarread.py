@@ -115,3 +115,29 @@ def test_duplicate_member_is_an_error():
     raw = make_tar(tarfile.GNU_FORMAT, [("k.jpg", b"1"), ("k.cls", b"1"), ("k.jpg", b"2")])
     with pytest.raises(ValueError, match="k.jpg: duplicate file name"):
         list(tar_samples(io.BytesIO(raw), "u"))
+
+
+def test_bad_pax_records_and_sparse_members_fail_instead_of_hanging():
+    raw = make_tar(tarfile.PAX_FORMAT, [(LONG + "/k.jpg", b"x"), (LONG + "/k.cls", b"1")])
+    records = raw.index(b" path=")
+    length = raw[records - 3 : records]  # the record's length digits, e.g. b"150"
+    zero = raw[: records - 3] + b"0".rjust(len(length), b"0") + raw[records:]
+    with pytest.raises(tarfile.ReadError, match="invalid pax header"):
+        list(tar_samples(io.BytesIO(zero), "u"))  # a zero length must not loop forever
+    sparse = make_tar(tarfile.GNU_FORMAT, [("s.jpg", b"x")])
+    sparse = bytearray(sparse)
+    sparse[156] = ord("S")
+    chk = sum(sparse[:148]) + 256 + sum(sparse[156:512])
+    sparse[148:156] = b"%06o\0 " % chk
+    with pytest.raises(tarfile.ReadError, match="GNU sparse members are not supported"):
+        list(tar_samples(io.BytesIO(bytes(sparse)), "u"))
+
+
+def test_a_signed_checksum_is_accepted_as_tarfile_does():
+    raw = bytearray(make_tar(tarfile.GNU_FORMAT, [("x.jpg", b"x"), ("y.cls", b"1")]))
+    second = raw.index(b"y.cls")
+    raw[second + 100] = 0xE9  # a high byte in the mode field: the signed and unsigned sums differ
+    header = raw[second : second + 512]
+    signed = sum(b - 256 if b > 127 else b for b in header[:148] + header[156:]) + 256
+    raw[second + 148 : second + 156] = b"%06o\0 " % signed
+    assert [s["__key__"] for s in tar_samples(io.BytesIO(bytes(raw)), "u")] == ["x", "y"]

@@ -243,8 +243,9 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     would cost a shared-memory file of its own); ``finish_batches`` makes tensors of them."""
     images, labels, ids, bad, keys = zip(*rows, strict=True)
     batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad}
-    if shared is not None:
-        batch["shared"] = shared.fill(worker, list(images))
+    ref = shared.fill(worker, list(images)) if shared is not None else None
+    if ref is not None:
+        batch["shared"] = ref
     else:
         # default_collate stacks straight into shared memory inside a worker: the batch then
         # reaches the main process without the extra 10 MB copy the DataLoader makes otherwise.
@@ -407,10 +408,11 @@ class ShardStream(IterableDataset):
                 print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[dict]:
-        """In epoch mode, one epoch; in repeat and resampled mode, epoch after epoch without end:
-        a worker that stopped at each epoch's end would decode the samples of its last, partial
-        batch only to drop them and then sit idle while the DataLoader restarts it (measured:
-        6 % of the loader's time on ImageNet-sized shards of 250 samples)."""
+        """In epoch mode (and with the cross-worker shuffle), one epoch; in repeat and resampled
+        mode, epoch after epoch without end. A worker that stopped at each epoch's end would
+        decode the samples of its last, partial batch only to drop them and then sit idle while
+        the DataLoader restarts it (measured: 6 % of the loader's time on ImageNet-sized shards
+        of 250 samples)."""
         pin_malloc_threshold()
         info = get_worker_info()
         worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
@@ -455,7 +457,9 @@ class ShardStream(IterableDataset):
                         f"rank {self.rank} worker {worker} read no sample from its shards "
                         f"(epoch {epoch}); see the warnings above"
                     )
-                if cfg.mode == "epoch":
+                if cfg.mode == "epoch" or cfg.rebatch:
+                    # With the cross-worker shuffle each epoch stays one DataLoader iteration, so
+                    # the shuffle buffer empties before the next begins and a resume is exact.
                     return
 
         collation = functools.partial(collate, shared=shared, worker=worker)
@@ -480,15 +484,13 @@ class EpochShuffle:
 class ConsumedTracker:
     """Follows the ids of consumed samples to give the loader's exact position.
 
-    A worker's samples arrive in order, so once its next epoch shows, the one before is done
-    and forgotten (a resumed worker would otherwise read through it again). With the cross-worker
-    shuffle, samples of the epoch before may still wait in the shuffle buffer: ``keep=2`` keeps
-    each worker's two newest epochs. A sample of an epoch older than those is not replayed on
-    resume anyway (the worker resumes at its oldest kept epoch).
+    A worker's samples of one epoch all arrive before any of its next (a worker's batches come
+    in order, and the cross-worker shuffle empties at each epoch's end), so once its next epoch
+    shows, the one before is done and forgotten: a resumed worker would otherwise read through
+    it again.
     """
 
-    def __init__(self, epoch: int, keep: int = 1):
-        self.keep = keep
+    def __init__(self, epoch: int):
         self.base = epoch  # where a worker that delivered nothing yet starts
         self.epoch = epoch  # the newest epoch consumed from (epoch mode: the epoch)
         self.batches = 0  # batches consumed since self.epoch began (counts in epoch mode)
@@ -511,9 +513,8 @@ class ConsumedTracker:
             if entry is None:
                 if epochs and epoch < min(epochs):
                     continue  # an epoch this worker has left behind
+                epochs.clear()
                 entry = epochs[epoch] = [0, set()]
-                while len(epochs) > self.keep:
-                    del epochs[min(epochs)]
             seen = entry[1]
             seen.add(seq)
             while entry[0] in seen:
@@ -548,7 +549,7 @@ class RankLoader:
                 f"loader state was saved with {state['workers']} workers, now {cfg.workers}: "
                 f"resume with the same trainer.workers"
             )
-        self.tracker = self._tracker(point.epoch if point else 0)
+        self.tracker = ConsumedTracker(point.epoch if point else 0)
         if point is not None:
             self.tracker.load(point, int(state.get("batches", 0)))
         nw = cfg.workers
@@ -588,7 +589,7 @@ class RankLoader:
                 yield batch
             return
         if self.tracker.batches >= self.epoch_batches:
-            self.tracker = self._tracker(self.tracker.epoch + 1)
+            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
         remaining = self.epoch_batches - self.tracker.batches
         for i, batch in enumerate(self.loader):
             self.tracker.update(batch["id"])
@@ -596,14 +597,11 @@ class RankLoader:
             if i + 1 >= remaining:
                 break
 
-    def _tracker(self, epoch: int) -> ConsumedTracker:
-        return ConsumedTracker(epoch, keep=2 if self.cfg.rebatch else 1)
-
     def end_epoch(self) -> None:
         """Epoch mode: end this epoch here, before its planned length (another rank ran out after
         skipping bad data, and ranks must stay in step); the next ``iter()`` starts the next one."""
         if self.epoch_batches is not None:
-            self.tracker = self._tracker(self.tracker.epoch + 1)
+            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
 
     def state_dict(self) -> dict:
         """The loader's exact position, small and JSON-friendly, for checkpoints."""

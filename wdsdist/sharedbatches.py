@@ -13,8 +13,11 @@ Handing back goes through one pipe per worker (main process -> worker), written
 synchronously. A worker restarting its iteration (each epoch, each DataLoader reset) takes every
 buffer as free again: the DataLoader discards, unclaimed, any batch of the previous iteration
 still in flight, and each release carries the iteration it belongs to, so a late one is ignored.
-A worker has at most ``prefetch`` batches assigned and not yet taken, plus the one being copied,
-so ``prefetch + 1`` buffers per worker never make it wait for long.
+While every worker is active, a worker has at most ``prefetch`` batches assigned and not yet
+taken, plus the one being copied, so ``prefetch + 1`` buffers cover it. When other workers have
+ended their epoch the DataLoader gives their share to the ones left (up to ``prefetch + workers
+- 1`` each); a worker that finds no free buffer then stacks that batch into new shared memory
+as before, and never waits.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ _RELEASE = struct.Struct("<qq")  # (iteration, buffer)
 
 
 class SharedBatches:
-    def __init__(self, workers: int, buffers: int, shape: tuple[int, ...], wait_s: float = 300.0):
-        self.shape, self.nbuffers, self.wait_s = tuple(shape), buffers, wait_s
+    def __init__(self, workers: int, buffers: int, shape: tuple[int, ...]):
+        self.shape, self.nbuffers = tuple(shape), buffers
         self.buffers = [torch.empty((buffers, *shape), dtype=torch.uint8).share_memory_() for _ in range(workers)]
         pipes = [multiprocessing.Pipe(duplex=False) for _ in range(workers)]
         self._released = [reader for reader, _ in pipes]
@@ -49,24 +52,19 @@ class SharedBatches:
         self.iteration += 1
         self._free = set(range(self.nbuffers))
 
-    def fill(self, worker: int, images: list[torch.Tensor]) -> tuple[int, int, int, int]:
-        """Stack ``images`` into a free buffer; returns the reference that travels in the batch."""
-        k = self._take(worker)
-        torch.stack(images, out=self.buffers[worker][k, : len(images)])
-        return worker, self.iteration, k, len(images)
-
-    def _take(self, worker: int) -> int:
+    def fill(self, worker: int, images: list[torch.Tensor]) -> tuple[int, int, int, int] | None:
+        """Stack ``images`` into a free buffer and return the reference that travels in the batch;
+        None (nothing written) when every buffer is in use."""
         reader = self._released[worker]
-        while reader.poll() or not self._free:
-            if not reader.poll(self.wait_s):
-                raise RuntimeError(
-                    f"DataLoader worker {worker}: no batch buffer handed back in {self.wait_s:.0f}s "
-                    f"(all {self.nbuffers} in use; the main process stopped taking batches)"
-                )
+        while reader.poll():
             iteration, k = _RELEASE.unpack(reader.recv_bytes())
             if iteration == self.iteration:
                 self._free.add(k)
-        return self._free.pop()
+        if not self._free:
+            return None
+        k = self._free.pop()
+        torch.stack(images, out=self.buffers[worker][k, : len(images)])
+        return worker, self.iteration, k, len(images)
 
     # ---------------------------------------------------------------- in the main process
 

@@ -13,12 +13,14 @@ compressed shards still work and garbage still fails with tarfile's own error.
 from __future__ import annotations
 
 import re
+import struct
 import tarfile
 from collections.abc import Iterator
 
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 BLOCK = 512
+_SIGNED = struct.Struct("148b8x356b")
 _META = re.compile(r"__[^/]*__($|/)")
 _REGULAR = (b"0", b"\0", b"7")
 
@@ -42,12 +44,15 @@ class _Prepended:
 
 
 def _valid(header: bytes) -> bool:
-    """A tar header whose checksum holds (the checksum field itself counts as 8 spaces)."""
+    """A tar header whose checksum holds (the checksum field itself counts as 8 spaces), summed
+    over unsigned bytes or, as some old tars wrote it, signed ones (tarfile accepts both)."""
     try:
         stored = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
     except ValueError:
         return False
-    return stored == sum(header[:148]) + 256 + sum(header[156:])
+    if stored == sum(header[:148]) + 256 + sum(header[156:]):
+        return True
+    return stored == sum(_SIGNED.unpack_from(header)) + 256
 
 
 def _number(field: bytes) -> int:
@@ -62,6 +67,17 @@ def _read_exactly(stream, n: int) -> bytes:
         more = stream.read(n - len(data))
         if not more:
             raise tarfile.ReadError("unexpected end of data")
+        data += more
+    return data
+
+
+def _read_block(stream) -> bytes:
+    """The next 512 bytes, fewer only at the end of the stream."""
+    data = stream.read(BLOCK)
+    while 0 < len(data) < BLOCK:
+        more = stream.read(BLOCK - len(data))
+        if not more:
+            break
         data += more
     return data
 
@@ -91,6 +107,8 @@ def _members(stream, head: bytes, wanted: frozenset[str] | None) -> Iterator[tup
         size = _number(header[124:136])
         kind = header[156:157]
         padding = -size % BLOCK
+        if kind == b"S":  # GNU sparse: its data needs the sparse map, which we do not read
+            raise tarfile.ReadError("GNU sparse members are not supported")
         if kind in (b"x", b"L", b"g"):
             meta = _read_exactly(stream, size)
             _skip(stream, padding)
@@ -119,7 +137,7 @@ def _members(stream, head: bytes, wanted: frozenset[str] | None) -> Iterator[tup
             else:
                 _skip(stream, size + padding)
                 yield key, suffix.lower(), None
-        header = stream.read(BLOCK)
+        header = _read_block(stream)
 
 
 def _pax_records(meta: bytes) -> dict[str, str]:
@@ -129,7 +147,9 @@ def _pax_records(meta: bytes) -> dict[str, str]:
         try:
             n = int(length)
         except ValueError:
-            raise tarfile.ReadError("invalid pax header") from None
+            n = 0
+        if n <= len(length) + 1 or pos + n > len(meta):
+            raise tarfile.ReadError("invalid pax header")
         key, _, value = rest[: n - len(length) - 2].partition(b"=")
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += n
@@ -142,7 +162,7 @@ def tar_samples(stream, url: str, wanted: frozenset[str] | None = None) -> Itera
     ``wanted``: the suffixes to read; other members are skipped without reading where the
     stream can seek, and appear in the sample with the value None (so an error can list them).
     """
-    head = stream.read(BLOCK)
+    head = _read_block(stream)
     if len(head) == BLOCK and _valid(head):
         members = _members(stream, head, wanted)
     else:  # compressed, or not a tar file at all: tarfile decides (and says what is wrong)
