@@ -1,6 +1,8 @@
 """Workers' reused shared batch buffers: the caller's batches are its own, nothing is overwritten,
 a worker never takes a buffer that was not handed back, and never waits for one."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -52,23 +54,31 @@ def test_a_restart_frees_every_buffer_and_ignores_late_releases():
     ],
 )
 def test_loader_batches_equal_those_without_shared_buffers(tiny_shards, counts, workers, mode, nbatches):
-    """Every batch kept (none consumed before the next arrives) equals the same loader's batch
-    without shared buffers, over several epochs and the DataLoader resets between them."""
+    """Every batch the caller keeps stays as it was received (no buffer is reused under it), over
+    several epochs and the DataLoader resets between them, and equals the same loader's batch
+    without shared buffers (images: until the first reset, after which the crops drawn depend on
+    how many batches the workers had prefetched)."""
     shards = shardspec.expand(str(tiny_shards(counts)))
     base = dict(batch_size=4, workers=workers, mode=mode, image_size=8, shuffle_buffer=10, prefetch=1)
-    runs = {}
+    runs, received = {}, []
     for reuse in (True, False):
         loader = make_loader(shards, 0, 1, LoaderConfig(**base, nbatches=nbatches, reuse_buffers=reuse))
         torch.manual_seed(0)  # the workers' seeds, so both runs crop alike
-        if mode == "epoch":
-            runs[reuse] = [b for _ in range(4) for b in loader]
-        else:
-            runs[reuse] = [b for b, _ in zip(loader, range(30), strict=False)]
+        batches = []
+        for batch in itertools.chain.from_iterable(loader for _ in range(4)) if nbatches else loader:
+            batches.append(batch)
+            if reuse:
+                received.append(batch["image"].clone())
+            if len(batches) == (4 * nbatches if nbatches else 30):
+                break
+        runs[reuse] = batches
     assert (runs[True][0]["image"].ne(0)).any()  # real pixels
-    assert len(runs[True]) == len(runs[False]) == (4 * nbatches if nbatches else 30)
-    for ours, plain in zip(runs[True], runs[False], strict=True):
+    assert all(torch.equal(b["image"], snap) for b, snap in zip(runs[True], received, strict=True))
+    assert len(runs[True]) == len(runs[False])
+    for i, (ours, plain) in enumerate(zip(runs[True], runs[False], strict=True)):
         assert torch.equal(ours["id"], plain["id"]) and ours["label"].tolist() == plain["label"].tolist()
-        assert torch.equal(ours["image"], plain["image"])
+        if nbatches is None or i < nbatches:
+            assert torch.equal(ours["image"], plain["image"])
 
 
 def test_cross_worker_shuffle_samples_do_not_keep_their_batch_alive():
