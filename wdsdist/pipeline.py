@@ -494,12 +494,12 @@ class ConsumedTracker:
         self.base = epoch  # where a worker that delivered nothing yet starts
         self.epoch = epoch  # the newest epoch consumed from (epoch mode: the epoch)
         self.batches = 0  # batches consumed since self.epoch began (counts in epoch mode)
-        self.open: dict[int, dict[int, list]] = {}  # worker -> epoch -> [start, seen beyond start]
+        self.open: dict[int, list] = {}  # worker -> [its epoch, start, seen beyond start]
 
     def load(self, point: ResumePoint, batches: int) -> None:
         self.base = self.epoch = point.epoch
         self.batches = batches
-        self.open = {w: {e: [s, set(k)] for e, (s, k) in eps.items()} for w, eps in point.workers.items()}
+        self.open = {w: [e, s, set(k)] for w, eps in point.workers.items() for e, (s, k) in eps.items()}
 
     def update(self, ids: torch.Tensor) -> None:
         rows = ids.tolist()
@@ -508,21 +508,19 @@ class ConsumedTracker:
             self.epoch, self.batches = newest, 0
         self.batches += 1
         for epoch, worker, seq in rows:
-            epochs = self.open.setdefault(worker, {})
-            entry = epochs.get(epoch)
-            if entry is None:
-                if epochs and epoch < min(epochs):
-                    continue  # an epoch this worker has left behind
-                epochs.clear()
-                entry = epochs[epoch] = [0, set()]
-            seen = entry[1]
+            entry = self.open.get(worker)
+            if entry is None or epoch > entry[0]:
+                entry = self.open[worker] = [epoch, 0, set()]
+            elif epoch < entry[0]:
+                continue  # an epoch this worker has left behind
+            seen = entry[2]
             seen.add(seq)
-            while entry[0] in seen:
-                seen.discard(entry[0])
-                entry[0] += 1
+            while entry[1] in seen:
+                seen.discard(entry[1])
+                entry[1] += 1
 
     def point(self) -> ResumePoint:
-        workers = {w: {e: (s, frozenset(k)) for e, (s, k) in eps.items()} for w, eps in self.open.items() if eps}
+        workers = {w: {e: (s, frozenset(k))} for w, (e, s, k) in self.open.items()}
         return ResumePoint(self.base, workers)
 
 

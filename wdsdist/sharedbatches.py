@@ -70,18 +70,24 @@ class SharedBatches:
 
     def claim(self, ref: tuple[int, int, int, int], pin_memory: bool = False) -> torch.Tensor:
         """The images of a batch as the caller's own tensor; the buffer goes back to its worker."""
-        worker, iteration, k, n = ref
-        images = plain_copy(self.buffers[worker][k, :n], pin_memory)
-        self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
+        images = plain_copy(self._batch(ref), pin_memory)
+        self._hand_back(ref)
         return images
 
     def claim_rows(self, ref: tuple[int, int, int, int]) -> list[torch.Tensor]:
         """The images of a batch, each its own tensor (for the cross-worker shuffle, where a
         view would keep its whole batch alive until the last of its images left the buffer)."""
-        worker, iteration, k, n = ref
-        images = [plain_copy(image) for image in self.buffers[worker][k, :n]]
-        self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
+        images = [plain_copy(image) for image in self._batch(ref)]
+        self._hand_back(ref)
         return images
+
+    def _batch(self, ref: tuple[int, int, int, int]) -> torch.Tensor:
+        worker, _, k, n = ref
+        return self.buffers[worker][k, :n]
+
+    def _hand_back(self, ref: tuple[int, int, int, int]) -> None:
+        worker, iteration, k, _ = ref
+        self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
 
 
 def plain_copy(source: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
