@@ -8,10 +8,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     WDSDIST_SYSTEM_PYTHON=1
 
-# curl: for pipe:curl shard URLs. Versions follow the base image's Debian release.
+# curl: for pipe:curl shard URLs. gcc and libjpeg-turbo's headers: wdsdist/jpegcrop.c, which
+# decodes only the training crop's region of a JPEG. Versions follow the base image's Debian release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends curl ca-certificates \
+    && apt-get install -y --no-install-recommends curl ca-certificates gcc libc6-dev libjpeg62-turbo-dev \
     && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 1000 app
@@ -22,7 +23,9 @@ COPY requirements.txt ./
 RUN pip install -r requirements.txt
 
 COPY --chown=app:app . .
-RUN mkdir -p data outputs && chown app:app data outputs
+# Build jpegcrop now (into .build/), so the container never needs a writable source tree for it.
+RUN python3 -c "import sys; from wdsdist import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)" \
+    && mkdir -p data outputs && chown app:app data outputs
 USER 1000:1000
 
 # ./run inside the image uses the image's Python (WDSDIST_SYSTEM_PYTHON=1), not a venv.

@@ -124,6 +124,8 @@ class LoaderSection:
     shuffle_buffer: int = 1000  # raw samples per worker
     cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
     prefetch: int = 2  # batches per worker
+    decode_region: bool = True  # decode only the training crop's region of a JPEG (wdsdist/jpegcrop.py)
+    decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
 
 
 @dataclass

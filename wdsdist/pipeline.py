@@ -42,9 +42,10 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from webdataset.filters import _batched, _shuffle
 
-from wdsdist import shardspec
+from wdsdist import jpegcrop, shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
+from wdsdist.jpegcrop import JPEG_MAGIC, CropDecoder, JpegError, crop_decoder
 from wdsdist.shardspec import Shard
 from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
@@ -81,6 +82,8 @@ class LoaderConfig:
     prefetch: int = 2
     pin_memory: bool = False
     reuse_buffers: bool = True  # workers stack batches into shared buffers they reuse (sharedbatches)
+    decode_region: bool = True  # train: decode only the crop's region of a JPEG (jpegcrop)
+    decode_downscale: bool = True  # ... at 1/2, 1/4 or 1/8 of its size where the crop is that much larger
     with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
     trace: bool = False  # print every shard open and close (simdist --showopen)
     strict: bool = False  # a bad shard or sample is an error (default: skipped, warned and counted)
@@ -211,31 +214,47 @@ def _transform(cfg: LoaderConfig) -> v2.Transform:
     return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
 
 
-def decode_sample(sample: dict, cfg: LoaderConfig, transform: v2.Transform) -> tuple[torch.Tensor, int]:
-    """Raw sample -> (uint8 CHW image, label); raises DataError naming the shard and key."""
+def decode_sample(
+    sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
+) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (uint8 CHW image, label); raises DataError naming the shard and key.
+    With ``crop``, a JPEG is decoded only where ``transform``'s crop falls (jpegcrop)."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
         missing = cfg.image_key if data is None else cfg.label_key
         present = sorted(k for k in sample if not k.startswith("__"))
         raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
+    data = bytes(data)
+    size = None
+    if crop is not None and data.startswith(JPEG_MAGIC):
+        with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
+            size = crop.size(data)
     try:
         # The header alone gives the size: refuse a decompression bomb before allocating it.
-        with Image.open(io.BytesIO(data)) as header:
-            width, height = header.size
+        if size is None:
+            with Image.open(io.BytesIO(data)) as header:
+                size = header.size
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DataError(f"{where}: cannot decode image: {exc}") from None
+    width, height = size
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
-    try:
-        image = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError) as exc:
-        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    image = None
+    if crop is not None and data.startswith(JPEG_MAGIC):
+        with contextlib.suppress(JpegError):
+            image = crop(data, width, height)
+    if image is None:
+        try:
+            whole = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except (RuntimeError, ValueError) as exc:
+            raise DataError(f"{where}: cannot decode image: {exc}") from None
+        image = transform(whole)
     try:
         value = int(label.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         raise DataError(f"{where}: label {label[:20]!r} is not an integer") from None
-    return transform(image), value
+    return image, value
 
 
 def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int = 0) -> dict[str, Any]:
@@ -426,6 +445,7 @@ class ShardStream(IterableDataset):
             self.resume = None
         bad = [0, 0]  # samples and shards skipped since the last row
         transform = _transform(cfg)
+        crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
         shared = self.shared if info else None
         if shared is not None:
             shared.restart(worker)
@@ -440,7 +460,7 @@ class ShardStream(IterableDataset):
                     if seq < start or seq in skip:
                         continue
                     try:
-                        image, label = decode_sample(sample, cfg, transform)
+                        image, label = decode_sample(sample, cfg, transform, crop)
                     except DataError as error:
                         if cfg.strict:
                             raise
@@ -540,6 +560,11 @@ class RankLoader:
         state: dict | None = None,
         plan_: Plan | None = None,
     ):
+        if cfg.train and cfg.decode_region:
+            lib = jpegcrop.load()  # built here, once, before the workers start
+            if isinstance(lib, str):
+                print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
+                cfg = replace(cfg, decode_region=False)
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         point = ResumePoint.from_state(state["point"]) if state else None
         if state and state.get("workers", cfg.workers) != cfg.workers:

@@ -140,6 +140,8 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
         nbatches=ld.nbatches,
         dsrepeat=ld.dsrepeat,
         prefetch=ld.prefetch,
+        decode_region=ld.decode_region,
+        decode_downscale=ld.decode_downscale,
         pin_memory=d.device.type == "cuda",
         strict=cfg.data.strict,
         allow_pipe=cfg.data.allow_pipe,

@@ -1,0 +1,237 @@
+"""Region decoding (wdsdist/jpegcrop): the crop's pixels equal a whole decode's, the random draws
+are torchvision's, and whatever libjpeg refuses goes back to torchvision's whole decode."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from tests.conftest import write_tiny_shards
+from wdsdist import jpegcrop, pipeline, synthetic
+from wdsdist.errors import DataError
+from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder, region
+from wdsdist.pipeline import LoaderConfig, _transform, decode_sample, make_loader
+
+LIB = jpegcrop.load()
+needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"jpegcrop: {LIB}")
+
+
+def encode(width: int, height: int, seed: int = 0, mode: str = "RGB", **save) -> bytes:
+    """A JPEG with detail everywhere (noise on a drawn image), so every region is different."""
+    img = synthetic.draw(seed, size=max(width, height))[0].resize((width, height))
+    noise = np.random.default_rng(seed).integers(0, 40, (height, width, 3), dtype=np.uint8)
+    img = Image.fromarray(np.asarray(img) // 2 + noise).convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def whole(data: bytes) -> torch.Tensor:
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+ENCODINGS = {
+    "4:2:0": dict(subsampling=2),
+    "4:2:2": dict(subsampling=1),
+    "4:4:4": dict(subsampling=0),
+    "progressive": dict(progressive=True),
+    "grayscale": dict(mode="L"),
+}
+
+
+@needs_lib
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_region_pixels_equal_a_whole_decode(encoding):
+    width, height = 203, 157  # neither a multiple of 8 nor of 16
+    data = encode(width, height, seed=3, **ENCODINGS[encoding])
+    full = whole(data).permute(1, 2, 0)  # HWC, as region() gives
+    rng = random.Random(0)
+    regions = [(0, 0, width, height), (0, 0, 1, 1), (width - 1, height - 1, 1, 1), (0, 50, 17, 9)]
+    regions += [(width - 33, 0, 33, height), (16, 16, 16, 16), (15, 17, 100, 40)]
+    for _ in range(40):
+        w, h = rng.randint(1, width), rng.randint(1, height)
+        regions.append((rng.randint(0, width - w), rng.randint(0, height - h), w, h))
+    for x, y, w, h in regions:
+        got = region(LIB, data, x, y, w, h)
+        assert got.shape == (h, w, 3)
+        assert torch.equal(got, full[y : y + h, x : x + w]), f"{encoding}: region {w}x{h}+{x}+{y}"
+
+
+@needs_lib
+def test_region_outside_the_image_is_an_error_not_a_read_past_it():
+    data = encode(64, 48)
+    for x, y, w, h in [(60, 0, 5, 5), (0, 44, 5, 5), (-1, 0, 5, 5), (0, 0, 0, 5)]:
+        with pytest.raises(JpegError, match="outside the 64x48 image"):
+            region(LIB, data, x, y, w, h)
+
+
+@needs_lib
+def test_crop_decoder_gives_the_transforms_own_images():
+    """Same seed, same image: the draws are v2.RandomResizedCrop's and v2.RandomHorizontalFlip's,
+    the pixels those of the whole decode cropped, resized and flipped."""
+    cfg = LoaderConfig(batch_size=4, image_size=48, crop_scale=(0.08, 1.0))
+    transform = _transform(cfg)
+    decoder = crop_decoder(transform, downscale=False)
+    assert isinstance(decoder, CropDecoder)
+    for i, (w, h) in enumerate([(120, 90), (90, 120), (203, 157), (64, 64)]):
+        data = encode(w, h, seed=i)
+        for seed in range(25):
+            torch.manual_seed(seed)
+            got = decoder(data, w, h)
+            torch.manual_seed(seed)
+            want = transform(whole(data))
+            assert got.shape == (3, 48, 48)
+            assert torch.equal(got, want), f"image {w}x{h}, seed {seed}"
+    # The flip's draw follows the crop's: on these seeds it went both ways.
+    outcomes = set()
+    for seed in range(25):
+        torch.manual_seed(seed)
+        transform.transforms[0].make_params([torch.empty(3, 90, 120)])
+        outcomes.add(torch.rand(1).item() < 0.5)
+    assert outcomes == {True, False}
+
+
+def test_crop_decoder_only_for_crop_then_flip():
+    lib = LIB if not isinstance(LIB, str) else None
+    eval_transform = _transform(LoaderConfig(batch_size=4, train=False))
+    assert crop_decoder(eval_transform, downscale=True, lib=lib or "x") is None
+    assert crop_decoder(_transform(LoaderConfig(batch_size=4)), downscale=True, lib="no compiler") is None
+
+
+@needs_lib
+def test_downscale_only_where_the_region_stays_at_least_the_output_size():
+    decoder = crop_decoder(_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=True)
+    assert decoder.scale(447, 1000) == 1  # half of 447 < 224: decoded whole
+    assert decoder.scale(448, 448) == 2
+    assert decoder.scale(900, 1000) == 4
+    assert decoder.scale(1792, 1792) == 8
+    assert decoder.scale(5000, 1791) == 4
+    off = crop_decoder(_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=False)
+    assert off.scale(5000, 5000) == 1
+
+
+@needs_lib
+def test_downscaled_crops_are_close_to_the_whole_decode():
+    cfg = LoaderConfig(batch_size=4, image_size=64, crop_scale=(0.5, 1.0))
+    transform = _transform(cfg)
+    decoder = crop_decoder(transform, downscale=True)
+    data = encode(640, 480, seed=5)
+    scaled = 0
+    for seed in range(20):
+        torch.manual_seed(seed)
+        p = transform.transforms[0].make_params([torch.empty(3, 480, 640)])
+        scaled += decoder.scale(p["height"], p["width"]) > 1
+        torch.manual_seed(seed)
+        got = decoder(data, 640, 480)
+        torch.manual_seed(seed)
+        want = transform(whole(data))
+        assert got.shape == want.shape == (3, 64, 64)
+        diff = (got.float() - want.float()).abs().mean().item()
+        assert diff < 4.0, f"seed {seed}: mean difference {diff:.2f} of 255"
+    assert scaled == 20  # every crop here is at least 2x the output: all went through DCT scaling
+
+
+@needs_lib
+def test_what_libjpeg_refuses_goes_to_torchvision():
+    cfg = LoaderConfig(batch_size=4, image_size=32)
+    transform = _transform(cfg)
+    decoder = crop_decoder(transform, downscale=True)
+    good = encode(100, 80)
+    truncated = good[: len(good) // 2]
+    with pytest.raises(JpegError):
+        decoder(truncated, 100, 80)  # libjpeg warns of premature end: refused, not grey-filled
+    sample = {"__url__": "s.tar", "__key__": "k", "jpg": truncated, "cls": b"3"}
+    torch.manual_seed(0)
+    try:
+        want = decode_sample(sample, cfg, transform)
+    except DataError as exc:  # whatever torchvision decides for a truncated JPEG, both paths agree
+        with pytest.raises(DataError, match=str(exc).split(": ")[-1][:30]):
+            decode_sample(sample, cfg, transform, decoder)
+    else:
+        torch.manual_seed(0)
+        got = decode_sample(sample, cfg, transform, decoder)
+        assert got[1] == want[1] == 3 and got[0].shape == want[0].shape
+    garbage = {"__url__": "s.tar", "__key__": "g", "jpg": b"\xff\xd8\xff" + b"\x00" * 100, "cls": b"1"}
+    with pytest.raises(DataError, match=r"s.tar: sample 'g': cannot decode image"):
+        decode_sample(garbage, cfg, transform, decoder)
+
+
+@needs_lib
+def test_a_jpeg_bomb_is_refused_from_its_header():
+    data = bytearray(encode(16, 16))
+    sof = data.index(b"\xff\xc0")  # baseline frame header: length(2) precision(1) height(2) width(2)
+    data[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") + (60000).to_bytes(2, "big")
+    cfg = LoaderConfig(batch_size=4, image_size=32)
+    transform = _transform(cfg)
+    decoder = crop_decoder(transform, downscale=True)
+    assert decoder.size(bytes(data)) == (60000, 60000)
+    sample = {"__url__": "s.tar", "__key__": "bomb", "jpg": bytes(data), "cls": b"1"}
+    with pytest.raises(DataError, match=r"'bomb': image of 60000x60000 pixels exceeds max_pixels"):
+        decode_sample(sample, cfg, transform, decoder)
+
+
+def _batches(index, n, **kw):
+    cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, crop_scale=(0.08, 1.0), **kw)
+    loader = make_loader(str(index), 0, 1, cfg)
+    torch.manual_seed(0)  # the workers' seeds come from it
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+@needs_lib
+def test_loader_batches_are_the_same_with_and_without_region_decoding(tmp_path):
+    index = write_tiny_shards(tmp_path / "s", [40, 40, 40, 40], size=72)
+    a = _batches(index, 12, decode_region=True, decode_downscale=False)
+    b = _batches(index, 12, decode_region=False)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x["id"], y["id"])
+        assert torch.equal(x["image"], y["image"])
+
+
+def test_without_the_library_the_loader_says_so_once_and_decodes_whole_images(tmp_path, monkeypatch, capfd):
+    index = write_tiny_shards(tmp_path / "s", [40, 40], size=72)
+    want = _batches(index, 4, decode_region=False)
+    monkeypatch.setattr(jpegcrop, "load", lambda: "no C compiler (cc) to build jpegcrop.c")
+    got = _batches(index, 4)
+    notes = [line for line in capfd.readouterr().err.splitlines() if "jpegcrop" in line]
+    assert notes == ["note: no C compiler (cc) to build jpegcrop.c; decoding whole JPEGs (slower)"]
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x["image"], y["image"])
+
+
+def test_build_failures_say_why(tmp_path):
+    assert jpegcrop.load(tmp_path / "a", "no-such-cc") == "no C compiler (no-such-cc) to build jpegcrop.c"
+    fake = tmp_path / "fakecc"
+    fake.write_text(
+        "#!/bin/sh\necho 'In file included from x.c:1:' >&2\n"
+        "echo 'x.c:14: fatal error: jpeglib.h: No such file' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    reason = jpegcrop.load(tmp_path / "b", str(fake))
+    assert reason == "cannot build jpegcrop.c: x.c:14: fatal error: jpeglib.h: No such file"
+    assert list((tmp_path / "b").iterdir()) == []  # no half-written library left behind
+
+
+@needs_lib
+def test_a_fresh_build_dir_gets_a_working_library(tmp_path):
+    lib = jpegcrop.load(tmp_path / "fresh")
+    assert not isinstance(lib, str), lib
+    assert [p.suffix for p in (tmp_path / "fresh").iterdir()] == [".so"]
+    data = encode(40, 30)
+    assert torch.equal(region(lib, data, 5, 5, 10, 10), whole(data).permute(1, 2, 0)[5:15, 5:15])
+
+
+def test_decode_sample_without_a_decoder_is_unchanged():
+    cfg = LoaderConfig(batch_size=4, image_size=16)
+    transform = v2.Compose([v2.CenterCrop(16)])
+    data = encode(40, 30)
+    image, label = decode_sample({"__url__": "u", "__key__": "k", "jpg": data, "cls": b" 7\n"}, cfg, transform)
+    assert label == 7 and torch.equal(image, whole(data)[:, 7:23, 12:28])
+    assert pipeline.JPEG_MAGIC == data[:3]

@@ -1,0 +1,149 @@
+"""RandomResizedCrop + RandomHorizontalFlip that decode only the crop's region of a JPEG.
+
+A training crop keeps on average about half of an image (RandomResizedCrop's area scale is
+uniform in [0.08, 1]), yet torchvision decodes all of it. ``jpegcrop.c`` asks libjpeg-turbo
+for the region alone: rows above it are only entropy-decoded, columns beside it are not
+transformed, rows below it are not read. The pixels equal a whole decode's (tests check it
+bit for bit), and the random draws are torchvision's own (``make_params`` of the same
+``v2.RandomResizedCrop``), so one seed gives the same images with or without this module.
+Measured on 500x375 ImageNet-like JPEGs: 1.5x the samples per second of a whole decode.
+
+Where the region is at least 2, 4 or 8 times the output size in both sides, it is decoded
+at that fraction of its size (libjpeg's DCT scaling), so the resize still only shrinks it
+(``downscale``; such pixels differ slightly from a bilinear shrink of the full decode).
+
+The C part is compiled on first use with the system's C compiler against the system's
+libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``) into ``.build/`` (``WDSDIST_BUILD``).
+Without them ``load()`` says why and the loader decodes whole images as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+SOURCE = Path(__file__).with_name("jpegcrop.c")
+JPEG_MAGIC = b"\xff\xd8\xff"
+_MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
+_loaded: dict[Path, ctypes.CDLL | str] = {}
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("WDSDIST_BUILD", Path(__file__).resolve().parent.parent / ".build"))
+
+
+def load(where: Path | None = None, cc: str | None = None) -> ctypes.CDLL | str:
+    """The compiled library (built first if needed), or a one-line reason why there is none."""
+    where = where or build_dir()
+    if where not in _loaded:
+        _loaded[where] = _load(where, cc or os.environ.get("CC", "cc"))
+    return _loaded[where]
+
+
+def _load(where: Path, cc: str) -> ctypes.CDLL | str:
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:12]
+    path = where / f"jpegcrop-{tag}.so"
+    if not path.exists():
+        if shutil.which(cc) is None:
+            return f"no C compiler ({cc}) to build {SOURCE.name}"
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)
+            os.close(fd)
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-ljpeg"], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                os.unlink(tmp)
+                lines = done.stderr.strip().splitlines()
+                said = [line for line in lines if "error" in line] or lines or [f"exit code {done.returncode}"]
+                return f"cannot build {SOURCE.name}: {said[0]}"
+            os.replace(tmp, path)  # atomic: processes building at once each finish their own file
+        except OSError as exc:
+            return f"cannot build {SOURCE.name} in {where}: {exc}"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return f"cannot load {path}: {exc}"
+    int_p = ctypes.POINTER(ctypes.c_int)
+    lib.jpegcrop_size.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p, ctypes.c_char_p]
+    lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [ctypes.c_int] * 5
+    lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
+    return lib
+
+
+class JpegError(Exception):
+    """libjpeg refused the data (its own message)."""
+
+
+class CropDecoder:
+    """``crop`` then ``flip`` on a JPEG's bytes, decoding only the crop's region."""
+
+    def __init__(self, lib: ctypes.CDLL, crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, downscale: bool):
+        self.lib, self.crop, self.flip, self.downscale = lib, crop, flip, downscale
+        self._msg = ctypes.create_string_buffer(_MSG_LEN)
+
+    def size(self, data: bytes) -> tuple[int, int]:
+        """(width, height) from the header; JpegError if libjpeg cannot read it."""
+        width, height = ctypes.c_int(), ctypes.c_int()
+        if self.lib.jpegcrop_size(data, len(data), ctypes.byref(width), ctypes.byref(height), self._msg):
+            raise JpegError(self._msg.value.decode(errors="replace"))
+        return width.value, height.value
+
+    def scale(self, height: int, width: int) -> int:
+        """The DCT scale's denominator for a region of height x width: 1, or the largest of
+        2, 4, 8 that leaves it at least the output size in both sides."""
+        out_h, out_w = self.crop.size
+        if self.downscale:
+            for denom in (8, 4, 2):
+                if height // denom >= out_h and width // denom >= out_w:
+                    return denom
+        return 1
+
+    def __call__(self, data: bytes, width: int, height: int) -> torch.Tensor:
+        """The uint8 CHW crop, resized and maybe flipped; JpegError if libjpeg fails on it."""
+        # Only the size matters to make_params: a zero-stride tensor of that shape costs nothing.
+        p = self.crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
+        top, left, h, w = p["top"], p["left"], p["height"], p["width"]
+        denom = self.scale(h, w)
+        if denom > 1:  # the region in the scaled image, which is ceil(size / denom) pixels
+            x0, y0 = left // denom, top // denom
+            x1 = min(math.ceil((left + w) / denom), math.ceil(width / denom))
+            y1 = min(math.ceil((top + h) / denom), math.ceil(height / denom))
+            left, top, w, h = x0, y0, x1 - x0, y1 - y0
+        out = region(self.lib, data, left, top, w, h, denom, self._msg).permute(2, 0, 1)
+        return self.flip(F.resize(out, self.crop.size, self.crop.interpolation, antialias=self.crop.antialias))
+
+
+def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom: int = 1, msg=None) -> torch.Tensor:
+    """Pixels x..x+w, y..y+h of a JPEG decoded at 1/denom of its size, as a uint8 HWC RGB tensor."""
+    msg = msg if msg is not None else ctypes.create_string_buffer(_MSG_LEN)
+    out = torch.empty(h, w, 3, dtype=torch.uint8)
+    if lib.jpegcrop_decode(data, len(data), denom, x, y, w, h, out.data_ptr(), msg):
+        raise JpegError(msg.value.decode(errors="replace"))
+    return out
+
+
+def crop_decoder(transform: v2.Transform, downscale: bool, lib: ctypes.CDLL | str | None = None) -> CropDecoder | None:
+    """A CropDecoder doing what ``transform`` does, if it is RandomResizedCrop then
+    RandomHorizontalFlip and the library loads; else None (decode whole images)."""
+    lib = load() if lib is None else lib
+    steps = getattr(transform, "transforms", [])
+    if isinstance(lib, str) or len(steps) != 2:
+        return None
+    crop, flip = steps
+    if not isinstance(crop, v2.RandomResizedCrop) or not isinstance(flip, v2.RandomHorizontalFlip):
+        return None
+    return CropDecoder(lib, crop, flip, downscale)
