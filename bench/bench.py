@@ -2,6 +2,11 @@
 """Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
 ImageFolder, and the decode limit. Run with ``./run bench.py`` (see --help).
 
+The limit (d) is torchvision's whole decode + RandomResizedCrop + flip in a loop, no loader:
+what every loader decoding whole images can reach. Ours decodes only the crop's region
+(wdsdist/jpegcrop), so it also runs (a'') with whole-image decoding, and (e) its own
+per-sample work in a loop: (a)/(e) is what the loader keeps of its workers' cores.
+
 Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
 process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
 Contenders run in rounds (--repeat), interleaved, and the table gives each one's median round,
@@ -28,14 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NCLASSES = 10
-CONTENDERS = ("ours", "ours-cross", "seed", "imagefolder", "limit", "side-by-side")
+CONTENDERS = ("ours", "ours-cross", "ours-whole", "seed", "imagefolder", "limit", "side-by-side", "ours-work")
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
     "ours-cross": "(a') ours + cross-worker shuffle 1000",
+    "ours-whole": "(a'') ours, whole-image decode",
     "seed": "(b) seed: WebDataset README pipeline",
     "imagefolder": "(c) torchvision ImageFolder + DataLoader",
     "limit": "(d) limit: W x single-core decode+crop+flip",
     "side-by-side": "(d') W such loops at once, summed",
+    "ours-work": "(e) W x single-core region decode+crop+flip",
 }
 
 
@@ -96,7 +103,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     import webdataset as wds
     from torchvision.datasets import ImageFolder
 
-    if name in ("ours", "ours-cross"):
+    if name in ("ours", "ours-cross", "ours-whole"):
         from wdsdist.pipeline import LoaderConfig, make_loader
 
         # The trainer's loader defaults (conf: loader.*): epochless, as the trainer runs it.
@@ -108,6 +115,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             shuffle_buffer=1000,
             cross_shuffle=1000 if name == "ours-cross" else 0,
             partial=False,
+            decode_region=name != "ours-whole",
         )
         return make_loader(info["index"], 0, 1, cfg)
     if name == "seed":
@@ -190,13 +198,17 @@ class TreeMemory:
         self._thread.join()
 
 
-def limit_rate(info: dict, seconds: float, barrier=None, results=None) -> dict:
-    """Single-core rate of our per-sample work (decode + RandomResizedCrop + flip), no loader.
-    With ``barrier``, the clock starts when every process of the barrier is ready."""
+def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: bool = False) -> dict:
+    """Single-core rate of decode + RandomResizedCrop + flip with no loader: torchvision's whole
+    decode (the limit every loader here shares), or with ``region`` ours (jpegcrop: only the
+    crop's region decoded, and our per-sample checks). With ``barrier``, the clock starts when
+    every process of the barrier is ready."""
     import torch
     import webdataset as wds
+    from torchvision.io import ImageReadMode, decode_image
 
     from wdsdist import shardspec
+    from wdsdist.jpegcrop import crop_decoder
     from wdsdist.pipeline import LoaderConfig, _transform, decode_sample
 
     torch.set_num_threads(1)  # as in a DataLoader worker
@@ -204,12 +216,24 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None) -> dict:
     samples = list(wds.WebDataset(url, shardshuffle=False, empty_check=False))  # in memory: no I/O
     cfg = LoaderConfig(batch_size=64, image_size=224)
     transform = _transform(cfg)
-    decode_sample(samples[0], cfg, transform)
+    if region:
+        crop = crop_decoder(transform, cfg.decode_downscale)
+        if crop is None:
+            raise SystemExit("error: jpegcrop is not available here (see the loader's note)")
+
+        def work(sample: dict) -> torch.Tensor:
+            return decode_sample(sample, cfg, transform, crop)[0]
+    else:
+
+        def work(sample: dict) -> torch.Tensor:
+            return transform(decode_image(torch.frombuffer(sample["jpg"], dtype=torch.uint8), mode=ImageReadMode.RGB))
+
+    work(samples[0])
     if barrier is not None:
         barrier.wait()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        decode_sample(samples[n % len(samples)], cfg, transform)
+        work(samples[n % len(samples)])
         n += 1
     result = {"per_core": n / (time.perf_counter() - start)}
     if results is not None:
@@ -218,8 +242,8 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None) -> dict:
 
 
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
-    if name == "limit":
-        r = limit_rate(info, limit_seconds)
+    if name in ("limit", "ours-work"):
+        r = limit_rate(info, limit_seconds, region=name == "ours-work")
         return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
     if name == "side-by-side":
         # What W cores give together on this machine right now (shared caches, memory bandwidth,
