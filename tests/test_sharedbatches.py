@@ -8,7 +8,7 @@ import torch
 
 from wdsdist import shardspec
 from wdsdist.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
-from wdsdist.sharedbatches import SharedBatches
+from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
 
 
 def images(value: int, n: int = 3) -> list[torch.Tensor]:
@@ -98,3 +98,38 @@ def test_cross_worker_shuffle_samples_do_not_keep_their_batch_alive():
     batch = collate_samples(samples[:4])
     assert batch["image"].tolist() == torch.stack([s["image"] for s in samples[:4]]).tolist()
     assert batch["id"].tolist() == [[0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 0]] and "key" not in batch
+
+
+def _distinct(n: int, shape=(3, 5, 7)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 255, shape, dtype=torch.uint8, generator=gen) for _ in range(n)]
+
+
+def test_channels_last_buffers_hold_hwc_images_and_the_copies_keep_that_layout():
+    """Region-decoded images are H x W x C in memory: buffers and copies keep them so (no
+    transpose), and every pixel lands where it belongs, also for contiguous images stacked in."""
+    hwc = [t.permute(1, 2, 0).contiguous().permute(2, 0, 1) for t in _distinct(3)]  # as jpegcrop's
+    mixed = [hwc[0], hwc[1].contiguous(), hwc[2]]
+    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 5, 7), channels_last=True)
+    shared.restart(0)
+    ref = shared.fill(0, mixed)
+    batch = shared.claim(ref)
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(batch, torch.stack(mixed))
+    rows = shared.claim_rows(shared.fill(0, hwc))
+    assert all(torch.equal(r, t) and r.stride() == (1, 21, 3) for r, t in zip(rows, hwc, strict=True))
+
+
+def test_plain_copy_and_stack_keep_layouts_and_values():
+    nchw = torch.stack(_distinct(4))
+    nhwc = nchw.contiguous(memory_format=torch.channels_last)
+    for source in (nchw, nhwc, nchw[:, :, 1:4], nhwc[1:3]):  # a sliced, non-dense source too
+        copy = plain_copy(source)
+        assert torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()
+    assert plain_copy(nhwc).stride() == nhwc.stride()
+    images = list(nhwc)  # each (3, 5, 7) with H x W x C strides
+    stacked = plain_stack(images)
+    assert torch.equal(stacked, nchw) and stacked.is_contiguous(memory_format=torch.channels_last)
+    mixed = plain_stack([images[0], nchw[1], images[2], nchw[3, :, :, :]])
+    assert torch.equal(mixed, nchw)
+    assert torch.equal(plain_stack(list(nchw)), nchw) and plain_stack(list(nchw)).is_contiguous()

@@ -579,7 +579,8 @@ class RankLoader:
         shared = None
         if nw > 0 and cfg.reuse_buffers:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-            shared = SharedBatches(nw, cfg.prefetch + 1, shape)
+            # Region-decoded images come out H x W x C in memory: batches keep that layout.
+            shared = SharedBatches(nw, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
         self.dataset = ShardStream(shards, rank, world, cfg, point, shared)
         loader = wds.WebLoader(
             self.dataset,
