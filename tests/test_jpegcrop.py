@@ -20,7 +20,14 @@ from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder, region
 from wdsdist.pipeline import LoaderConfig, _transform, decode_sample, make_loader
 
 LIB = jpegcrop.load()
+# Only a machine without a C compiler or libjpeg's headers and library may skip these; any other
+# build failure is a failure (test_it_builds_wherever_a_compiler_and_libjpeg_are).
+MISSING = isinstance(LIB, str) and any(s in LIB for s in ("no C compiler", "jpeglib.h", "-ljpeg"))
 needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"jpegcrop: {LIB}")
+
+
+def test_it_builds_wherever_a_compiler_and_libjpeg_are():
+    assert not isinstance(LIB, str) or MISSING, LIB
 
 
 def encode(width: int, height: int, seed: int = 0, mode: str = "RGB", **save) -> bytes:

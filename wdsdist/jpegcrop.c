@@ -39,8 +39,11 @@ static void start(struct jpeg_decompress_struct *cinfo, struct error *err, const
   jpeg_mem_src(cinfo, buf, len);
 }
 
-/* The image's width and height from its header. */
-int jpegcrop_size(const unsigned char *buf, unsigned long len, int *width, int *height, char *msg) {
+/* The image's size into *width and *height; then, unless denom is 0, the region x, y, w, h (in
+   pixels of the image decoded at 1/denom of its size) as RGB rows of w * 3 bytes into out
+   (h * w * 3 bytes). */
+int jpegcrop_decode(const unsigned char *buf, unsigned long len, int *width, int *height, int denom, int x, int y,
+                    int w, int h, unsigned char *out, char *msg) {
   struct jpeg_decompress_struct cinfo;
   struct error err;
   if (setjmp(err.jump)) {
@@ -51,22 +54,10 @@ int jpegcrop_size(const unsigned char *buf, unsigned long len, int *width, int *
   jpeg_read_header(&cinfo, TRUE);
   *width = (int)cinfo.image_width;
   *height = (int)cinfo.image_height;
-  jpeg_destroy_decompress(&cinfo);
-  return 0;
-}
-
-/* The region x, y, w, h (in pixels of the image decoded at 1/denom of its size) as RGB rows of
-   w * 3 bytes into out (h * w * 3 bytes). */
-int jpegcrop_decode(const unsigned char *buf, unsigned long len, int denom, int x, int y, int w, int h,
-                    unsigned char *out, char *msg) {
-  struct jpeg_decompress_struct cinfo;
-  struct error err;
-  if (setjmp(err.jump)) {
+  if (denom == 0) {
     jpeg_destroy_decompress(&cinfo);
-    return -1;
+    return 0;
   }
-  start(&cinfo, &err, buf, len, msg);
-  jpeg_read_header(&cinfo, TRUE);
   cinfo.out_color_space = JCS_RGB;
   cinfo.scale_num = 1;
   cinfo.scale_denom = (unsigned int)denom;
@@ -82,9 +73,9 @@ int jpegcrop_decode(const unsigned char *buf, unsigned long len, int denom, int 
      upsampling inside the image, and with the margin the region's pixels equal a whole decode's. */
   JDIMENSION left = x > 0 ? (JDIMENSION)x - 1 : 0;
   JDIMENSION right = (JDIMENSION)(x + w + 1) < cinfo.output_width ? (JDIMENSION)(x + w + 1) : cinfo.output_width;
-  JDIMENSION xoffset = left, width = right - left;
-  jpeg_crop_scanline(&cinfo, &xoffset, &width); /* moves xoffset down to an iMCU boundary */
-  JSAMPARRAY row = cinfo.mem->alloc_sarray((j_common_ptr)&cinfo, JPOOL_IMAGE, width * 3, 1);
+  JDIMENSION xoffset = left, xwidth = right - left;
+  jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* moves xoffset down to an iMCU boundary */
+  JSAMPARRAY row = cinfo.mem->alloc_sarray((j_common_ptr)&cinfo, JPOOL_IMAGE, xwidth * 3, 1);
   if (y > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y);
   for (int r = 0; r < h; r++) {
     jpeg_read_scanlines(&cinfo, row, 1);

@@ -6,7 +6,8 @@ for the region alone: rows above it are only entropy-decoded, columns beside it 
 transformed, rows below it are not read. The pixels equal a whole decode's (tests check it
 bit for bit), and the random draws are torchvision's own (``make_params`` of the same
 ``v2.RandomResizedCrop``), so one seed gives the same images with or without this module.
-Measured on 500x375 ImageNet-like JPEGs: 1.5x the samples per second of a whole decode.
+Measured on 500x375 ImageNet-like JPEGs (bench.py (e) against (d)): 1.13-1.2x the samples per
+second of a whole decode per core.
 
 Where the region is at least 2, 4 or 8 times the output size in both sides, it is decoded
 at that fraction of its size (libjpeg's DCT scaling), so the resize still only shrinks it
@@ -78,8 +79,7 @@ def _load(where: Path, cc: str) -> ctypes.CDLL | str:
     except OSError as exc:
         return f"cannot load {path}: {exc}"
     int_p = ctypes.POINTER(ctypes.c_int)
-    lib.jpegcrop_size.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p, ctypes.c_char_p]
-    lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong] + [ctypes.c_int] * 5
+    lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
     return lib
 
@@ -97,10 +97,7 @@ class CropDecoder:
 
     def size(self, data: bytes) -> tuple[int, int]:
         """(width, height) from the header; JpegError if libjpeg cannot read it."""
-        width, height = ctypes.c_int(), ctypes.c_int()
-        if self.lib.jpegcrop_size(data, len(data), ctypes.byref(width), ctypes.byref(height), self._msg):
-            raise JpegError(self._msg.value.decode(errors="replace"))
-        return width.value, height.value
+        return _call(self.lib, data, 0, 0, 0, 0, 0, None, msg=self._msg)  # denom 0: the header only
 
     def scale(self, height: int, width: int) -> int:
         """The DCT scale's denominator for a region of height x width: 1, or the largest of
@@ -129,11 +126,18 @@ class CropDecoder:
 
 def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom: int = 1, msg=None) -> torch.Tensor:
     """Pixels x..x+w, y..y+h of a JPEG decoded at 1/denom of its size, as a uint8 HWC RGB tensor."""
-    msg = msg if msg is not None else ctypes.create_string_buffer(_MSG_LEN)
     out = torch.empty(h, w, 3, dtype=torch.uint8)
-    if lib.jpegcrop_decode(data, len(data), denom, x, y, w, h, out.data_ptr(), msg):
-        raise JpegError(msg.value.decode(errors="replace"))
+    _call(lib, data, denom, x, y, w, h, out.data_ptr(), msg=msg)
     return out
+
+
+def _call(lib: ctypes.CDLL, data: bytes, *args, msg=None) -> tuple[int, int]:
+    """jpegcrop_decode; the image's (width, height), or JpegError with libjpeg's message."""
+    msg = msg if msg is not None else ctypes.create_string_buffer(_MSG_LEN)
+    width, height = ctypes.c_int(), ctypes.c_int()
+    if lib.jpegcrop_decode(data, len(data), ctypes.byref(width), ctypes.byref(height), *args, msg):
+        raise JpegError(msg.value.decode(errors="replace"))
+    return width.value, height.value
 
 
 def crop_decoder(transform: v2.Transform, downscale: bool, lib: ctypes.CDLL | str | None = None) -> CropDecoder | None:
