@@ -3,6 +3,7 @@ are torchvision's, and whatever libjpeg refuses goes back to torchvision's whole
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 
@@ -14,7 +15,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.conftest import write_tiny_shards
-from wdsdist import jpegcrop, pipeline, synthetic
+from wdsdist import jpegcrop, synthetic
 from wdsdist.errors import DataError
 from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder, region
 from wdsdist.pipeline import LoaderConfig, _transform, decode_sample, make_loader
@@ -91,7 +92,7 @@ def test_crop_decoder_gives_the_transforms_own_images():
         data = encode(w, h, seed=i)
         for seed in range(25):
             torch.manual_seed(seed)
-            got = decoder(data, w, h)
+            got = decoder(data, w, h, functools.partial(whole, data))
             torch.manual_seed(seed)
             want = transform(whole(data))
             assert got.shape == (3, 48, 48)
@@ -136,7 +137,7 @@ def test_downscaled_crops_are_close_to_the_whole_decode():
         p = transform.transforms[0].make_params([torch.empty(3, 480, 640)])
         scaled += decoder.scale(p["height"], p["width"]) > 1
         torch.manual_seed(seed)
-        got = decoder(data, 640, 480)
+        got = decoder(data, 640, 480, functools.partial(whole, data))
         torch.manual_seed(seed)
         want = transform(whole(data))
         assert got.shape == want.shape == (3, 64, 64)
@@ -145,29 +146,56 @@ def test_downscaled_crops_are_close_to_the_whole_decode():
     assert scaled == 20  # every crop here is at least 2x the output: all went through DCT scaling
 
 
+def _outcome(sample, cfg, transform, decoder=None):
+    try:
+        return decode_sample(sample, cfg, transform, decoder)
+    except DataError as exc:
+        return str(exc)
+
+
 @needs_lib
-def test_what_libjpeg_refuses_goes_to_torchvision():
+def test_a_jpeg_cut_short_is_judged_by_torchvision_wherever_the_crop_falls():
+    """The region decode stops after the crop's last row, so it would take a file cut short
+    below the crop; such files go to torchvision's whole decode, whatever it decides."""
     cfg = LoaderConfig(batch_size=4, image_size=32)
     transform = _transform(cfg)
     decoder = crop_decoder(transform, downscale=True)
-    good = encode(100, 80)
-    truncated = good[: len(good) // 2]
-    with pytest.raises(JpegError):
-        decoder(truncated, 100, 80)  # libjpeg warns of premature end: refused, not grey-filled
-    sample = {"__url__": "s.tar", "__key__": "k", "jpg": truncated, "cls": b"3"}
-    torch.manual_seed(0)
-    try:
-        want = decode_sample(sample, cfg, transform)
-    except DataError as exc:  # whatever torchvision decides for a truncated JPEG, both paths agree
-        with pytest.raises(DataError, match=str(exc).split(": ")[-1][:30]):
-            decode_sample(sample, cfg, transform, decoder)
-    else:
-        torch.manual_seed(0)
-        got = decode_sample(sample, cfg, transform, decoder)
-        assert got[1] == want[1] == 3 and got[0].shape == want[0].shape
-    garbage = {"__url__": "s.tar", "__key__": "g", "jpg": b"\xff\xd8\xff" + b"\x00" * 100, "cls": b"1"}
+    good = encode(300, 200)
+    for cut in (0.5, 0.8, 0.95):
+        sample = {"__url__": "s.tar", "__key__": "k", "jpg": good[: int(len(good) * cut)], "cls": b"3"}
+        assert not decoder.takes(sample["jpg"])
+        for seed in range(30):
+            torch.manual_seed(seed)
+            want = _outcome(sample, cfg, transform)
+            torch.manual_seed(seed)
+            got = _outcome(sample, cfg, transform, decoder)
+            assert type(got) is type(want)
+            assert got == want if isinstance(want, str) else torch.equal(got[0], want[0])
+    assert decoder.takes(good) and decoder.takes(good + b"\0" * 10)
+    garbage = {"__url__": "s.tar", "__key__": "g", "jpg": b"\xff\xd8\xff" + b"\x00" * 100 + b"\xff\xd9", "cls": b"1"}
     with pytest.raises(DataError, match=r"s.tar: sample 'g': cannot decode image"):
         decode_sample(garbage, cfg, transform, decoder)
+
+
+@needs_lib
+def test_a_jpeg_libjpeg_refuses_keeps_the_draws_of_every_later_sample():
+    """A CMYK JPEG (libjpeg cannot make RGB of it) is cropped from torchvision's decode with the
+    crop already drawn, so it and the samples after it are those of the plain transform."""
+    cfg = LoaderConfig(batch_size=4, image_size=32)
+    transform = _transform(cfg)
+    decoder = crop_decoder(transform, downscale=False)
+    cmyk = io.BytesIO()
+    Image.open(io.BytesIO(encode(120, 90, seed=1))).convert("CMYK").save(cmyk, format="JPEG", quality=90)
+    datas = [encode(120, 90, seed=2), cmyk.getvalue()] + [encode(120, 90, seed=s) for s in range(3, 8)]
+    with pytest.raises(JpegError):
+        region(LIB, cmyk.getvalue(), 0, 0, 10, 10)
+    samples = [{"__url__": "s.tar", "__key__": str(i), "jpg": d, "cls": b"1"} for i, d in enumerate(datas)]
+    for seed in range(5):
+        torch.manual_seed(seed)
+        want = [decode_sample(s, cfg, transform)[0] for s in samples]
+        torch.manual_seed(seed)
+        got = [decode_sample(s, cfg, transform, decoder)[0] for s in samples]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"seed {seed}"
 
 
 @needs_lib
@@ -224,13 +252,23 @@ def test_build_failures_say_why(tmp_path):
     reason = jpegcrop.load(tmp_path / "b", str(fake))
     assert reason == "cannot build jpegcrop.c: x.c:14: fatal error: jpeglib.h: No such file"
     assert list((tmp_path / "b").iterdir()) == []  # no half-written library left behind
+    # A linker that fails removes its output itself; its own line, not collect2's, is the reason.
+    fake.write_text(
+        '#!/bin/sh\nfor a; do [ "$prev" = -o ] && rm -f "$a"; prev=$a; done\n'
+        "echo '/usr/bin/ld: cannot find -ljpeg: No such file or directory' >&2\n"
+        "echo 'collect2: error: ld returned 1 exit status' >&2\nexit 1\n"
+    )
+    reason = jpegcrop.load(tmp_path / "c", str(fake))
+    assert reason == "cannot build jpegcrop.c: /usr/bin/ld: cannot find -ljpeg: No such file or directory"
 
 
 @needs_lib
 def test_a_fresh_build_dir_gets_a_working_library(tmp_path):
     lib = jpegcrop.load(tmp_path / "fresh")
     assert not isinstance(lib, str), lib
-    assert [p.suffix for p in (tmp_path / "fresh").iterdir()] == [".so"]
+    built = list((tmp_path / "fresh").iterdir())
+    assert [p.suffix for p in built] == [".so"]
+    assert built[0].stat().st_mode & 0o755 == 0o755  # other users (the Docker image's) load it too
     data = encode(40, 30)
     assert torch.equal(region(lib, data, 5, 5, 10, 10), whole(data).permute(1, 2, 0)[5:15, 5:15])
 
@@ -241,4 +279,4 @@ def test_decode_sample_without_a_decoder_is_unchanged():
     data = encode(40, 30)
     image, label = decode_sample({"__url__": "u", "__key__": "k", "jpg": data, "cls": b" 7\n"}, cfg, transform)
     assert label == 7 and torch.equal(image, whole(data)[:, 7:23, 12:28])
-    assert pipeline.JPEG_MAGIC == data[:3]
+    assert jpegcrop.JPEG_MAGIC == data[:3]

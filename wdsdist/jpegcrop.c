@@ -5,8 +5,10 @@
    it (entropy decoding only, no inverse DCT, upsampling or colour conversion), jpeg_crop_scanline()
    limits the columns that are fully decoded, and decoding stops after the region's last row.
    scale_denom 2, 4 or 8 decodes at that fraction of the size by DCT scaling. Every libjpeg error,
-   and every warning (corrupt data, where libjpeg would go on with grey pixels), returns -1 with
-   libjpeg's message: the caller then decodes the whole image with torchvision, which decides. */
+   and every warning in what is read (corrupt data, where libjpeg would go on with grey pixels),
+   returns -1 with libjpeg's message: the caller then takes the crop from torchvision's whole
+   decode, which decides. Damage below the region is not seen here; a file cut short is caught by
+   the caller, which sends JPEGs that do not end with their end-of-image marker to torchvision. */
 #include <setjmp.h>
 #include <stdio.h>
 #include <string.h>

@@ -45,7 +45,7 @@ from webdataset.filters import _batched, _shuffle
 from wdsdist import jpegcrop, shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
-from wdsdist.jpegcrop import JPEG_MAGIC, CropDecoder, JpegError, crop_decoder
+from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder
 from wdsdist.shardspec import Shard
 from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
@@ -226,8 +226,15 @@ def decode_sample(
         present = sorted(k for k in sample if not k.startswith("__"))
         raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
     data = bytes(data)
+
+    def whole() -> torch.Tensor:
+        try:
+            return decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except (RuntimeError, ValueError) as exc:
+            raise DataError(f"{where}: cannot decode image: {exc}") from None
+
     size = None
-    if crop is not None and data.startswith(JPEG_MAGIC):
+    if crop is not None and crop.takes(data):
         with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
             size = crop.size(data)
     try:
@@ -240,16 +247,10 @@ def decode_sample(
     width, height = size
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
-    image = None
-    if crop is not None and data.startswith(JPEG_MAGIC):
-        with contextlib.suppress(JpegError):
-            image = crop(data, width, height)
-    if image is None:
-        try:
-            whole = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except (RuntimeError, ValueError) as exc:
-            raise DataError(f"{where}: cannot decode image: {exc}") from None
-        image = transform(whole)
+    if crop is not None and crop.takes(data):
+        image = crop(data, width, height, whole)
+    else:
+        image = transform(whole())
     try:
         value = int(label.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
@@ -563,7 +564,8 @@ class RankLoader:
         if cfg.train and cfg.decode_region:
             lib = jpegcrop.load()  # built here, once, before the workers start
             if isinstance(lib, str):
-                print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
+                if rank == 0:
+                    print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
                 cfg = replace(cfg, decode_region=False)
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         point = ResumePoint.from_state(state["point"]) if state else None
