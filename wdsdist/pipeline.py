@@ -233,8 +233,9 @@ def decode_sample(
         except (RuntimeError, ValueError) as exc:
             raise DataError(f"{where}: cannot decode image: {exc}") from None
 
+    region = crop is not None and crop.takes(data)
     size = None
-    if crop is not None and crop.takes(data):
+    if region:
         with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
             size = crop.size(data)
     try:
@@ -247,7 +248,7 @@ def decode_sample(
     width, height = size
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
-    if crop is not None and crop.takes(data):
+    if region:
         image = crop(data, width, height, whole)
     else:
         image = transform(whole())

@@ -61,24 +61,21 @@ def _number(field: bytes) -> int:
     return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
 
 
-def _read_exactly(stream, n: int) -> bytes:
+def _read_up_to(stream, n: int) -> bytes:
+    """n bytes, fewer only at the end of the stream (pipes and sockets may return less than asked)."""
     data = stream.read(n)
-    while len(data) < n:  # pipes and sockets may return less than asked
+    while 0 < len(data) < n:
         more = stream.read(n - len(data))
         if not more:
-            raise tarfile.ReadError("unexpected end of data")
+            break
         data += more
     return data
 
 
-def _read_block(stream) -> bytes:
-    """The next 512 bytes, fewer only at the end of the stream."""
-    data = stream.read(BLOCK)
-    while 0 < len(data) < BLOCK:
-        more = stream.read(BLOCK - len(data))
-        if not more:
-            break
-        data += more
+def _read_exactly(stream, n: int) -> bytes:
+    data = _read_up_to(stream, n)
+    if len(data) < n:
+        raise tarfile.ReadError("unexpected end of data")
     return data
 
 
@@ -137,7 +134,7 @@ def _members(stream, head: bytes, wanted: frozenset[str] | None) -> Iterator[tup
             else:
                 _skip(stream, size + padding)
                 yield key, suffix.lower(), None
-        header = _read_block(stream)
+        header = _read_up_to(stream, BLOCK)
 
 
 def _pax_records(meta: bytes) -> dict[str, str]:
@@ -162,7 +159,7 @@ def tar_samples(stream, url: str, wanted: frozenset[str] | None = None) -> Itera
     ``wanted``: the suffixes to read; other members are skipped without reading where the
     stream can seek, and appear in the sample with the value None (so an error can list them).
     """
-    head = _read_block(stream)
+    head = _read_up_to(stream, BLOCK)
     if len(head) == BLOCK and _valid(head):
         members = _members(stream, head, wanted)
     else:  # compressed, or not a tar file at all: tarfile decides (and says what is wrong)
