@@ -146,6 +146,14 @@ def test_kubernetes_indexed_job_matches_its_torchrun_and_service():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])  # /dev/shm
     assert script[0] == "train.py" and (ROOT / script[0]).is_file()
+    # The rendezvous id names the run directory: the Job's own uid (the downward API, expanded by
+    # Kubernetes in the command), never a fixed name that a second Job would silently continue.
+    var = re.fullmatch(r"\$\((\w+)\)", args.rdzv_id)
+    assert var, args.rdzv_id
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env[var.group(1)]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['batch.kubernetes.io/controller-uid']"
+    )
 
 
 def compose_config(overrides):

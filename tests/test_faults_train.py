@@ -246,7 +246,7 @@ class FakeLoader:
         return {"point": {"epoch": 0, "workers": {}}, "batches": 0, "workers": 1, "rank": 0, "world": 1}
 
 
-def save(run_dir: Path, step: int) -> str:
+def save(run_dir: Path, step: int, keep: int = 3) -> str:
     import torch
     from omegaconf import OmegaConf
 
@@ -258,7 +258,7 @@ def save(run_dir: Path, step: int) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = OmegaConf.create({"trainer": {"workers": 1}})
     d = Dist(0, 1, 0, torch.device("cpu"))
-    return save_checkpoint(str(run_dir), step, d, model, opt, build_scheduler(opt, 10, 0.0), FakeLoader(), cfg, 3)
+    return save_checkpoint(str(run_dir), step, d, model, opt, build_scheduler(opt, 10, 0.0), FakeLoader(), cfg, keep)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_read(tmp_path, monkeypatch):
@@ -324,6 +324,42 @@ def test_train_resumes_past_a_corrupt_latest_checkpoint(shards, tmp_path):
     log = (run / "train.log").read_text()
     assert f"warning: cannot load {run / 'latest.pt'}: " in log and "(latest.pt -> ckpt-0000002.pt)" in log
     assert f"resumed from {run / 'ckpt-0000001.pt'} at step 1" in log
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written_and_latest_names_a_file(tmp_path):
+    # Step numbers alone would keep ckpt-4 and delete ckpt-2 at once: latest.pt would dangle and a
+    # later resume=auto would continue the other trajectory's step 4.
+    save(tmp_path, 4, keep=1)
+    save(tmp_path, 2, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000002.pt", "latest.pt"]
+    assert os.readlink(tmp_path / "latest.pt") == "ckpt-0000002.pt"
+    # A resume from an older checkpoint: the abandoned later steps are pruned before this run's own.
+    for step in (4, 6):
+        save(tmp_path, step, keep=3)
+    save(tmp_path, 3, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000002.pt", "ckpt-0000003.pt", "ckpt-0000006.pt"]
+    assert os.readlink(tmp_path / "latest.pt") == "ckpt-0000003.pt"
+    save(tmp_path, 4, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000003.pt", "ckpt-0000004.pt", "latest.pt"]
+    assert (tmp_path / "latest.pt").resolve() == tmp_path / "ckpt-0000004.pt"
+
+
+def test_a_new_run_in_a_directory_with_another_runs_checkpoints_is_refused_unless_it_resumes(shards, tmp_path):
+    run = tmp_path / "run"
+    train(shards, run, *FAST, "trainer.steps=4", "trainer.keep=1")
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    proc = run_script("train.py", *args(shards, run, "trainer.steps=2"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = one_error_line(proc)
+    assert line == (
+        f"error: run directory {run} already holds another run's checkpoints (newest: ckpt-0000004.pt, step 4): "
+        f"set trainer.resume=auto to continue that run, or give this one its own run_dir (under torchrun: its own "
+        f"--rdzv_id)"
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # not a byte of it changed
+    summary = train(shards, run, *FAST, "trainer.steps=6", "trainer.keep=1", "trainer.resume=auto")
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert sorted(p.name for p in run.glob("*.pt")) == ["ckpt-0000006.pt", "latest.pt"]
 
 
 class Payload:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -280,3 +284,66 @@ def test_decode_sample_without_a_decoder_is_unchanged():
     image, label = decode_sample({"__url__": "u", "__key__": "k", "jpg": data, "cls": b" 7\n"}, cfg, transform)
     assert label == 7 and torch.equal(image, whole(data)[:, 7:23, 12:28])
     assert jpegcrop.JPEG_MAGIC == data[:3]
+
+
+def _plant_library_without_the_symbol(where) -> str:
+    """A loadable shared library in the name jpegcrop builds, without jpegcrop_decode: a damaged
+    or foreign file (a copy of Python's own _ctypes extension, so no compiler is needed)."""
+    import _ctypes
+    import hashlib
+    import platform
+    import shutil
+
+    tag = hashlib.sha256(jpegcrop.SOURCE.read_bytes() + platform.machine().encode()).hexdigest()[:12]
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"jpegcrop-{tag}.so"
+    shutil.copyfile(_ctypes.__file__, path)
+    return str(path)
+
+
+def test_a_library_without_the_symbol_is_a_note_and_whole_decodes(tmp_path, monkeypatch, capfd):
+    index = write_tiny_shards(tmp_path / "s", [40, 40], size=72)
+    want = _batches(index, 4, decode_region=False)
+    planted = _plant_library_without_the_symbol(tmp_path / "build")
+    monkeypatch.setenv("WDSDIST_BUILD", str(tmp_path / "build"))
+    monkeypatch.setenv("CC", "no-such-cc")  # so it cannot be rebuilt
+    got = _batches(index, 4)
+    notes = [line for line in capfd.readouterr().err.splitlines() if "jpegcrop" in line]
+    assert notes == [
+        f"note: {planted} has no jpegcrop_decode (a damaged or foreign file), and no C compiler (no-such-cc) "
+        f"to build jpegcrop.c; decoding whole JPEGs (slower)"
+    ]
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x["image"], y["image"])
+
+
+@needs_lib
+def test_a_library_without_the_symbol_is_rebuilt(tmp_path):
+    planted = _plant_library_without_the_symbol(tmp_path / "build")
+    lib = jpegcrop.load(tmp_path / "build")
+    assert not isinstance(lib, str), lib
+    data = encode(40, 30)
+    assert torch.equal(region(lib, data, 5, 5, 10, 10), whole(data).permute(1, 2, 0)[5:15, 5:15])
+    assert sorted(p.name for p in (tmp_path / "build").iterdir()) == [os.path.basename(planted)]
+
+
+def test_a_killed_compiles_temporaries_are_removed_on_the_next_load(tmp_path):
+    where = tmp_path / "build"
+    where.mkdir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = jpegcrop._HOST
+    files = {
+        f"tmp-{host}-{int(ended.stdout)}-0123abcd.so": False,  # this host, its compiler is gone
+        f"tmp-{host}-{os.getpid()}-4567cdef.so": True,  # a live compile's
+        "tmp-otherhost-12-89abcdef.so": True,  # another host's, recent: may be live
+        "tmp-otherhost-13-0000ffff.so": False,  # another host's, old
+        "tmpq8x_2kz1.so": False,  # an earlier version's (mkstemp), old
+        "jpegcrop-000000000000.so": True,  # not a temporary
+    }
+    old = time.time() - 2 * jpegcrop.STALE_TEMP_S
+    for name in files:
+        (where / name).write_bytes(b"partial")
+        if name in ("tmp-otherhost-13-0000ffff.so", "tmpq8x_2kz1.so"):
+            os.utime(where / name, (old, old))
+    assert jpegcrop.load(where, "no-such-cc") == "no C compiler (no-such-cc) to build jpegcrop.c"
+    assert sorted(p.name for p in where.iterdir()) == sorted(name for name, kept in files.items() if kept)

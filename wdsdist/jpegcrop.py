@@ -23,14 +23,18 @@ Without them ``load()`` says why and the loader decodes whole images as before.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
 import math
 import os
 import platform
+import re
+import secrets
 import shutil
+import socket
 import subprocess
-import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,34 +64,102 @@ def _load(where: Path, cc: str) -> ctypes.CDLL | str:
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:12]
     path = where / f"jpegcrop-{tag}.so"
+    remove_dead_temporaries(where)
     if not path.exists():
-        if shutil.which(cc) is None:
-            return f"no C compiler ({cc}) to build {SOURCE.name}"
-        try:
-            where.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)
-            os.close(fd)
-            done = subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-ljpeg"], capture_output=True, text=True
-            )
-            if done.returncode != 0:
-                Path(tmp).unlink(missing_ok=True)  # the linker removes its output when it fails
-                lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
-                said = [ln for ln in lines if "fatal error" in ln or "cannot find" in ln]
-                said += [ln for ln in lines if "error" in ln] + lines
-                return f"cannot build {SOURCE.name}: {said[0]}"
-            os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (the Docker image's) must load it
-            os.replace(tmp, path)  # atomic: processes building at once each finish their own file
-        except OSError as exc:
-            return f"cannot build {SOURCE.name} in {where}: {exc}"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return f"cannot load {path}: {exc}"
+        failed = _build(where, path, cc)
+        if failed:
+            return failed
+    lib = _open(path)
+    if not isinstance(lib, str) and not hasattr(lib, "jpegcrop_decode"):
+        # The name carries the source's hash, so this is no older build of ours but a damaged or
+        # foreign file: build it anew once. dlopen hands back a loaded library by its name, so
+        # the bad one is closed first.
+        _ctypes.dlclose(lib._handle)
+        failed = _build(where, path, cc)
+        if failed:
+            return f"{path} has no jpegcrop_decode (a damaged or foreign file), and {failed}"
+        lib = _open(path)
+        if not isinstance(lib, str) and not hasattr(lib, "jpegcrop_decode"):
+            _ctypes.dlclose(lib._handle)
+            return f"{path} has no jpegcrop_decode even when rebuilt from {SOURCE.name}"
+    if isinstance(lib, str):
+        return lib
     int_p = ctypes.POINTER(ctypes.c_int)
     lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
     return lib
+
+
+def _open(path: Path) -> ctypes.CDLL | str:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        return f"cannot load {path}: {exc}"
+
+
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+_TEMP = re.compile(r"tmp(?:-(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[0-9a-f]{8})?.*\.so")
+STALE_TEMP_S = 600.0  # a compile takes about a second; a temporary this old has no live writer
+
+
+def _build(where: Path, path: Path, cc: str) -> str | None:
+    """Compile SOURCE into ``path`` (atomically: a temporary, then a rename); None, or why not."""
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc}) to build {SOURCE.name}"
+    # Named after its writer (host and pid), so a later load can tell a killed compile's
+    # leftover from a live compile's file.
+    tmp = where / f"tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.so"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ljpeg"], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+                said = [ln for ln in lines if "fatal error" in ln or "cannot find" in ln]
+                said += [ln for ln in lines if "error" in ln] + lines
+                return f"cannot build {SOURCE.name}: {said[0]}"
+            os.chmod(tmp, 0o755)  # other users (the Docker image's) must load it too
+            os.replace(tmp, path)  # atomic: processes building at once each finish their own file
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed compile's partial output
+    except OSError as exc:
+        return f"cannot build {SOURCE.name} in {where}: {exc}"
+    return None
+
+
+def remove_dead_temporaries(where: Path) -> list[Path]:
+    """Remove the temporaries (tmp*.so) of compiles that were killed: this host's whose process
+    is gone, and any older than STALE_TEMP_S (another host's, or an older naming's)."""
+    removed = []
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if m is None:
+            continue
+        p = where / name
+        try:
+            dead = m["host"] == _HOST and not _alive(int(m["pid"]))
+            if dead or time.time() - p.lstat().st_mtime > STALE_TEMP_S:
+                p.unlink()
+                removed.append(p)
+        except OSError:  # gone already, or a read-only build directory (the Docker image's)
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 class JpegError(Exception):

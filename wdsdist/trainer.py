@@ -317,10 +317,14 @@ def _point_latest(run_dir: str, name: str) -> None:
     os.replace(tmp, latest)
 
 
+def _step_of(path: str) -> int:
+    return int(re.findall(r"\d+", os.path.basename(path))[0])
+
+
 def checkpoints(run_dir: str) -> list[str]:
     """ckpt-STEP.pt files of a run directory, oldest first."""
     found = [p for p in glob.glob(os.path.join(run_dir, "ckpt-*.pt")) if re.search(r"ckpt-\d+\.pt$", p)]
-    return sorted(found, key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
+    return sorted(found, key=_step_of)
 
 
 def save_checkpoint(run_dir: str, step: int, d: Dist, model: nn.Module, opt, sched, loader: RankLoader, cfg, keep: int):
@@ -343,11 +347,39 @@ def save_checkpoint(run_dir: str, step: int, d: Dist, model: nn.Module, opt, sch
     }
     name = f"ckpt-{step:07d}.pt"
     _atomic_save(ckpt, os.path.join(run_dir, name))
-    _point_latest(run_dir, name)
+    _point_latest(run_dir, name)  # before any pruning: latest.pt never names a deleted file
     _fsync_dir(run_dir)
-    for old in checkpoints(run_dir)[:-keep]:
-        os.remove(old)
+    for old in prunable(run_dir, step, keep):
+        with suppress(FileNotFoundError):
+            os.remove(old)
     return os.path.join(run_dir, name)
+
+
+def prunable(run_dir: str, step: int, keep: int) -> list[str]:
+    """The checkpoints to delete once ckpt-STEP.pt is written, so that ``keep`` remain: that one
+    always stays, as the newest. Checkpoints with a higher step than the one just written come
+    from an earlier trajectory (a resume from an older checkpoint), so they count as older than
+    every checkpoint of this one and go first; step numbers alone would delete the new one."""
+    others = [p for p in checkpoints(run_dir) if _step_of(p) != step]
+    oldest_first = [p for p in others if _step_of(p) > step] + [p for p in others if _step_of(p) < step]
+    return oldest_first[: max(0, len(oldest_first) - (keep - 1))]
+
+
+def refuse_foreign_run_dir(run_dir: str, resume: str | None, restarted: bool) -> None:
+    """A fresh run (no trainer.resume, not a torchrun restart) in a directory that holds
+    checkpoints would mix two runs: its pruning and latest.pt would fight the old run's files,
+    and a later trainer.resume=auto could continue the wrong one. Refuse it, saying how to go on."""
+    if resume is not None or restarted:
+        return
+    found = checkpoints(run_dir)
+    if not found and not os.path.lexists(os.path.join(run_dir, "latest.pt")):
+        return
+    newest = f"{os.path.basename(found[-1])}, step {_step_of(found[-1])}" if found else "latest.pt"
+    raise UserError(
+        f"run directory {run_dir} already holds another run's checkpoints (newest: {newest}): "
+        f"set trainer.resume=auto to continue that run, or give this one its own run_dir "
+        f"(under torchrun: its own --rdzv_id)"
+    )
 
 
 def find_resume(resume: str | None, run_dir: str, restarted: bool = False) -> list[str]:
@@ -622,6 +654,8 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
     t_start = time.perf_counter()
     t = cfg.trainer
     run_dir = resolve_run_dir(cfg, d)
+    restarts = distributed.restart_count()
+    on_all_ranks(d, lambda: refuse_foreign_run_dir(run_dir, t.resume, restarts > 0) if d.is_main else None)
     on_all_ranks(d, lambda: ensure_synthetic(cfg) if d.is_main else None)
     stale: list[str] = []
     if d.is_main:
@@ -649,7 +683,6 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
     opt = build_optimizer(cfg, model, lr)
 
     # Rank 0 picks the checkpoint (falling back past corrupt ones) and the others load the same.
-    restarts = distributed.restart_count()
     candidates = on_all_ranks(d, lambda: find_resume(t.resume, run_dir, restarted=restarts > 0))
     resume_path, ckpt, resume_warnings = None, None, []
     if candidates:
