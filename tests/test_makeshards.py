@@ -332,3 +332,31 @@ def test_a_pipe_output_runs_nothing_and_is_one_error_line(tmp_path, script):
     assert proc.returncode == 2
     assert one_error_line(proc).startswith(f"error: {culprit}: shards are written to a local folder only")
     assert not marker.exists() and os.listdir(tmp_path) == []
+
+
+def test_an_error_inside_the_commit_moves_the_previous_set_back(tmp_path, monkeypatch):
+    out = tmp_path / "syn"
+    from_synthetic(12, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+    before = snapshot(out)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 4:  # old index and shard 0 moved aside, new shard 0 in place
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        from_synthetic(12, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=1, size=8)
+    monkeypatch.undo()
+    assert len(calls) == 4 + 3 and snapshot(out) == before  # the 3 renames done were undone
+
+
+def test_a_fifo_named_like_an_image_is_an_unreadable_image_not_a_hang(tmp_path):
+    make_image_folder(tmp_path / "train", per_class=1)
+    fifo = tmp_path / "train" / CLASSES[0] / "pipe.jpg"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=f"unreadable image {fifo}: OSError: not a regular file"):
+        from_image_folder(str(tmp_path / "train"), str(tmp_path / "out"), "t", maxcount=9, maxsize=1 << 30, seed=0)
+    assert not (tmp_path / "out" / "t.index.json").exists()

@@ -183,18 +183,40 @@ class ShardSink:
         final = [(os.path.join(self.outdir, shard_name(self.prefix, i)), n) for i, n in enumerate(self.counts)]
         desc = index_desc(index, final, **({"name": self.prefix} | index_extra))
         # Everything that can fail for want of space is written before the first old file goes.
+        for path, _ in final:
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise UserError(f"{path} is a folder where a shard goes: move it or choose another prefix")
         new_index = write_beside(index, index_bytes(desc))
+        old = os.path.join(self.tmpdir, "old")
+        os.mkdir(old)
+        moved: list[tuple[str, str]] = []
+
+        def move(src: str, dst: str) -> None:
+            os.rename(src, dst)
+            moved.append((src, dst))
+
         try:
             with _folder_lock(self.outdir):
-                # The window: renames and unlinks only. The old index goes first, so a crash
-                # inside it leaves no index (readers refuse, ensure_synthetic rewrites) rather
-                # than an index that lists other shards than those on disk.
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(index)
-                for i, (path, _) in enumerate(final):
-                    os.replace(os.path.join(self.tmpdir, shard_name(self.prefix, i)), path)
-                self._remove_stale(len(final))
-                os.replace(new_index, index)
+                # The window: renames only, none onto an existing name (replacing a file costs
+                # its deletion, milliseconds each on some file systems); the old files are
+                # deleted with the temporary folder afterwards. The old index goes first, so a
+                # crash inside the window leaves no index (readers refuse it, ensure_synthetic
+                # rewrites the set) rather than an index listing other shards than those on disk.
+                # An exception inside it (Ctrl-C) moves everything back.
+                try:
+                    if os.path.lexists(index):
+                        move(index, os.path.join(old, "index"))
+                    for i, (path, _) in enumerate(final):
+                        if os.path.lexists(path):
+                            move(path, os.path.join(old, os.path.basename(path)))
+                        move(os.path.join(self.tmpdir, shard_name(self.prefix, i)), path)
+                    for path in self._stale(len(final)):
+                        move(path, os.path.join(old, os.path.basename(path)))
+                    move(new_index, index)
+                except BaseException:
+                    for src, dst in reversed(moved):
+                        os.rename(dst, src)
+                    raise
                 _fsync_dir(self.outdir)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -204,14 +226,17 @@ class ShardSink:
             self.abort()
         return desc
 
-    def _remove_stale(self, nshards: int) -> None:
+    def _stale(self, nshards: int) -> list[str]:
         """Shards of this prefix numbered beyond the new set: left, a *.tar glob would add them."""
         pattern = re.compile(re.escape(self.prefix) + r"-(\d{6,})\.tar")
         with os.scandir(self.outdir) as it:
-            for e in it:
-                m = pattern.fullmatch(e.name)
-                if m and int(m.group(1)) >= nshards and not e.is_dir(follow_symlinks=False):
-                    os.remove(e.path)  # a symlink goes itself; what it points to stays
+            return [
+                e.path
+                for e in it
+                if (m := pattern.fullmatch(e.name))
+                and int(m.group(1)) >= nshards
+                and not e.is_dir(follow_symlinks=False)
+            ]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -237,7 +262,7 @@ def write_shards(
 
 
 @dataclass
-class ImageFolder:
+class SourceTree:
     files: list[tuple[str, int]]  # (path, label) in seeded shuffled order
     classes: list[str]
     skipped_links: list[tuple[str, str]]  # (link, where it leads) out of the tree, not followed
@@ -314,7 +339,7 @@ class _TreeWalk:
         return [os.path.join(path, name) for path, names in sorted(listed) for name in names]
 
 
-def image_folder_samples(source: str, seed: int) -> ImageFolder:
+def image_folder_samples(source: str, seed: int) -> SourceTree:
     """List an ImageFolder tree: the image files with their labels in seeded shuffled order."""
     if not os.path.isdir(source):
         raise UserError(f"--source {source}: no such folder")
@@ -339,7 +364,7 @@ def image_folder_samples(source: str, seed: int) -> ImageFolder:
             file=sys.stderr,
         )
     random.Random(seed).shuffle(files)
-    return ImageFolder(files, [name for name, _ in class_dirs], walk.skipped)
+    return SourceTree(files, [name for name, _ in class_dirs], walk.skipped)
 
 
 def _skipped(walk: _TreeWalk) -> str:
