@@ -360,3 +360,28 @@ def test_a_fifo_named_like_an_image_is_an_unreadable_image_not_a_hang(tmp_path):
     with pytest.raises(UserError, match=f"unreadable image {fifo}: OSError: not a regular file"):
         from_image_folder(str(tmp_path / "train"), str(tmp_path / "out"), "t", maxcount=9, maxsize=1 << 30, seed=0)
     assert not (tmp_path / "out" / "t.index.json").exists()
+
+
+def test_train_writes_its_synthetic_set_once_and_rewrites_it_whole(tmp_path):
+    from omegaconf import OmegaConf
+
+    from wdsdist.trainer import ensure_synthetic
+
+    index = tmp_path / "data" / "syn-train.index.json"
+
+    def cfg(n, seed):
+        synth = {"train_samples": n, "val_samples": 0, "size": 8, "shard_samples": 4, "seed": seed}
+        return OmegaConf.create({"data": {"train_shards": str(index), "val_shards": None, "synthetic": synth}})
+
+    ensure_synthetic(cfg(10, 0))
+    first = snapshot(index.parent)
+    assert len(first) == 4
+    ensure_synthetic(cfg(10, 0))  # already there: untouched
+    assert snapshot(index.parent) == first
+    ensure_synthetic(cfg(6, 1))
+    assert sorted(p.name for p in index.parent.iterdir()) == [
+        "syn-train-000000.tar",
+        "syn-train-000001.tar",
+        index.name,
+    ]
+    assert len(read_all(index)) == 6

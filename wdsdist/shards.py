@@ -182,10 +182,10 @@ class ShardSink:
         index = index_path(self.outdir, self.prefix)
         final = [(os.path.join(self.outdir, shard_name(self.prefix, i)), n) for i, n in enumerate(self.counts)]
         desc = index_desc(index, final, **({"name": self.prefix} | index_extra))
-        # Everything that can fail for want of space is written before the first old file goes.
         for path, _ in final:
             if os.path.isdir(path) and not os.path.islink(path):
                 raise UserError(f"{path} is a folder where a shard goes: move it or choose another prefix")
+        # Everything that can fail for want of space is written before the first old file goes.
         new_index = write_beside(index, index_bytes(desc))
         old = os.path.join(self.tmpdir, "old")
         os.mkdir(old)
