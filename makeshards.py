@@ -18,7 +18,7 @@ from tqdm import tqdm
 from wdsdist import shardspec
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.index import count_samples, write_index
-from wdsdist.shards import from_image_folder, from_synthetic
+from wdsdist.shards import check_local_output, from_image_folder, from_synthetic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +53,11 @@ def index_only(spec: str, output: str | None) -> dict:
 
 def main() -> int:
     args = parse_args()
+    # Before anything is read or opened: outputs are local files, never pipe: commands or URLs.
+    if args.index is None:
+        check_local_output(args.shards, f"--shards {args.shards}")
+    elif args.output is not None:
+        check_local_output(args.output, f"--output {args.output}")
     if args.index:
         desc = index_only(args.index, args.output)
         print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
@@ -67,7 +72,9 @@ def main() -> int:
             args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality, **common
         )
     where = os.path.join(args.shards, f"{prefix}.index.json")
-    print(f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes -> {where}")
+    skipped = f" ({desc['skipped_links']} symlinks out of --source not followed)" if desc.get("skipped_links") else ""
+    wrote = f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes"
+    print(f"{wrote} -> {where}{skipped}")
     return 0
 
 

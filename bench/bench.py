@@ -67,23 +67,23 @@ def prepare(data: Path, n: int) -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
     from tqdm import tqdm
 
-    from wdsdist.index import index_path, write_index
+    from wdsdist.index import index_path
     from wdsdist.shards import Sample, ShardSink
 
     marker = data / f"ready-{n}.json"
     if marker.exists():
         return json.loads(marker.read_text())
-    sink = ShardSink(str(data / "shards"), "bench", maxcount=250, maxsize=1 << 30)
     total = 0
-    for i in tqdm(range(n), desc="bench data", unit="img", mininterval=1.0):
-        jpg, label = photo(i), i % NCLASSES
-        total += len(jpg)
-        folder = data / "tree" / f"class{label:02d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"img{i:06d}.jpg").write_bytes(jpg)
-        sink.write(Sample(f"img{i:06d}", "jpg", jpg, label, {}))
+    with ShardSink(str(data / "shards"), "bench", maxcount=250, maxsize=1 << 30) as sink:
+        for i in tqdm(range(n), desc="bench data", unit="img", mininterval=1.0):
+            jpg, label = photo(i), i % NCLASSES
+            total += len(jpg)
+            folder = data / "tree" / f"class{label:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+            sink.write(Sample(f"img{i:06d}", "jpg", jpg, label, {}))
+        sink.commit()
     index = index_path(str(data / "shards"), "bench")
-    write_index(index, sink.finish(), name="bench")
     info = {"images": n, "mean_kb": round(total / n / 1024, 1), "index": index, "tree": str(data / "tree")}
     marker.write_text(json.dumps(info))
     return info

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 from collections import Counter
 
 import numpy as np
@@ -9,9 +10,11 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from tests.conftest import jpeg, one_error_line, run_script
+from tests.conftest import ROOT, jpeg, one_error_line, run_script
 from wdsdist import shardspec, synthetic
+from wdsdist.errors import UserError
 from wdsdist.index import read_index
+from wdsdist.shards import Sample, ShardSink, from_image_folder, from_synthetic, image_folder_samples, write_shards
 
 CLASSES = ["n01440764", "n01443537", "n09999999"]
 
@@ -125,6 +128,11 @@ def test_synthetic_train_and_val_are_disjoint_and_learnable_labels(tmp_path):
         (None, ["--synthetic", "10", "--size", "many"], "argument --size: expected an integer, got 'many'"),
         (None, ["--synthetic", "10", "--sizes", "8"], "unrecognized arguments: --sizes 8"),
         (None, ["--index", "{tmp}/none-{{000..009}}.tar"], "shard spec '{tmp}/none-{{000..009}}.tar' matches no file"),
+        (
+            "loop",
+            ["--source", "{tmp}/loop"],
+            "--source {tmp}/loop: symlink loop at {tmp}/loop/cat/up (leads back to {tmp}/loop)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, expected):
@@ -133,6 +141,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, expected):
     elif setup == "noimages":
         (tmp_path / "noimages" / "cat").mkdir(parents=True)
         (tmp_path / "noimages" / "cat" / "notes.txt").write_text("no image here")
+    elif setup == "loop":
+        (tmp_path / "loop" / "cat").mkdir(parents=True)
+        (tmp_path / "loop" / "cat" / "good.jpg").write_bytes(jpeg(1)[0])
+        (tmp_path / "loop" / "cat" / "up").symlink_to("..")
     elif setup == "bad":
         (tmp_path / "bad" / "cat").mkdir(parents=True)
         (tmp_path / "bad" / "cat" / "good.jpg").write_bytes(jpeg(1)[0])
@@ -144,3 +156,232 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, expected):
     # Nothing half-written is left where a reader could take it for a shard.
     if (tmp_path / "out").exists():
         assert not [f for f in os.listdir(tmp_path / "out") if ".tar" in f]
+
+
+# ---------------------------------------------------------------- writing: a whole new set or nothing, only where told
+
+
+def snapshot(folder):
+    """Every entry of a folder (hidden ones too) with its bytes, or its link target."""
+    return {
+        p.name: ("link", os.readlink(p)) if p.is_symlink() else ("file", p.read_bytes())
+        for p in sorted(folder.iterdir())
+    }
+
+
+def test_a_failed_rerun_leaves_the_previous_shards_and_index_byte_identical(tmp_path):
+    make_image_folder(tmp_path / "train", per_class=12)
+    out = tmp_path / "shards"
+    from_image_folder(str(tmp_path / "train"), str(out), "train", maxcount=4, maxsize=1 << 30, seed=0)
+    before = snapshot(out)
+    assert len(before) == 10  # 9 shards and the index
+    # The re-run stops on an image late in the seeded order, after several shards were complete.
+    (tmp_path / "train" / CLASSES[1] / "zz_broken.jpg").write_bytes(b"not a jpeg")
+    tree = image_folder_samples(str(tmp_path / "train"), 0)
+    assert [p for p, _ in tree.files].index(str(tmp_path / "train" / CLASSES[1] / "zz_broken.jpg")) >= 8
+    with pytest.raises(UserError, match="unreadable image .*zz_broken.jpg"):
+        from_image_folder(str(tmp_path / "train"), str(out), "train", maxcount=4, maxsize=1 << 30, seed=0)
+    assert snapshot(out) == before  # no temporaries left either
+
+
+def test_an_interrupted_write_leaves_the_previous_set(tmp_path):
+    out = tmp_path / "syn"
+    from_synthetic(12, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+    before = snapshot(out)
+
+    def samples():
+        for i in range(20):
+            if i == 13:
+                raise KeyboardInterrupt
+            yield Sample(f"k{i}", "jpg", jpeg(i)[0], 0, {})
+
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(samples(), 20, str(out), "syn", maxcount=5, maxsize=1 << 30)
+    assert snapshot(out) == before
+
+
+def test_a_rerun_with_fewer_shards_leaves_no_stale_shards(tmp_path):
+    out = tmp_path / "syn"
+    from_synthetic(30, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+    assert len(list(out.glob("*.tar"))) == 6
+    (out / "other-000005.tar").write_bytes(b"another prefix's shard")
+    desc = from_synthetic(10, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=1, size=8)
+    shards = sorted(out.glob("syn-*.tar"))
+    assert [p.name for p in shards] == ["syn-000000.tar", "syn-000001.tar"] and desc["nsamples"] == 10
+    # What a glob reads is what the index says.
+    assert sum(1 for p in shards for _ in wds.WebDataset(str(p), shardshuffle=False)) == 10
+    assert (out / "other-000005.tar").read_bytes() == b"another prefix's shard"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "other-000005.tar",
+        "syn-000000.tar",
+        "syn-000001.tar",
+        "syn.index.json",
+    ]
+
+
+def test_links_planted_in_the_output_folder_are_never_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    # The old fixed temporary names, the final names, and a stale shard beyond the new set.
+    for name in ["syn-000000.tar.tmp", "syn-000000.tar", "syn-000001.tar", "syn-000007.tar"]:
+        (out / name).symlink_to(victim)
+    for name in ["syn.index.json.tmp", "syn.index.json"]:
+        (out / name).symlink_to(victim)
+    desc = from_synthetic(8, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+    assert victim.read_bytes() == b"precious"
+    assert desc["nsamples"] == 8 and read_index(str(out / "syn.index.json"))["nsamples"] == 8
+    for name in ["syn-000000.tar", "syn-000001.tar", "syn.index.json"]:
+        assert not (out / name).is_symlink()
+    assert not (out / "syn-000007.tar").exists() and not (out / "syn-000007.tar").is_symlink()
+    assert len(read_all(out / "syn.index.json")) == 8
+
+
+def test_two_writers_of_one_prefix_keep_their_temporaries_apart(tmp_path):
+    out = tmp_path / "out"
+    with ShardSink(str(out), "p", maxcount=3, maxsize=1 << 30) as a, ShardSink(str(out), "p", 3, 1 << 30) as b:
+        for i in range(7):  # interleaved, as two processes would
+            a.write(Sample(f"a{i}", "jpg", jpeg(i)[0], 1, {}))
+            b.write(Sample(f"b{i}", "jpg", jpeg(i)[0], 2, {}))
+        b.write(Sample("b7", "jpg", jpeg(7)[0], 2, {}))
+        a.commit()
+        b.commit()
+    # The last commit wins whole: its index, its shards, nothing of the other's.
+    samples = read_all(out / "p.index.json")
+    assert [s["__key__"] for _, s in samples] == [f"b{i}" for i in range(8)]
+    assert read_index(str(out / "p.index.json"))["nsamples"] == 8
+    assert sorted(p.name for p in out.iterdir()) == ["p-000000.tar", "p-000001.tar", "p-000002.tar", "p.index.json"]
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next(tmp_path):
+    out = tmp_path / "out"
+    (out / ".syn.tmp-dead1").mkdir(parents=True)
+    (out / ".syn.tmp-dead1" / "syn-000000.tar").write_bytes(b"half a shard")
+    with ShardSink(str(out), "syn", 5, 1 << 30) as live:  # alive: its folder stays
+        from_synthetic(3, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+        assert os.path.isdir(live.tmpdir) and not (out / ".syn.tmp-dead1").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["syn-000000.tar", "syn.index.json"]
+
+
+# ---------------------------------------------------------------- reading the source tree: links stay inside it
+
+
+def test_symlinks_out_of_the_source_tree_are_not_followed(tmp_path, capsys):
+    files = make_image_folder(tmp_path / "train", per_class=3)
+    outside = tmp_path / "outside"
+    make_image_folder(outside, per_class=2)
+    train = tmp_path / "train"
+    (train / "zz_linked_class").symlink_to(outside / CLASSES[0])  # a class folder
+    (train / CLASSES[0] / "sub").symlink_to(outside / CLASSES[1])  # a folder inside a class
+    (train / CLASSES[1] / "secret.jpg").symlink_to(outside / CLASSES[2] / f"{CLASSES[2]}_1.v2.jpg")  # a file
+    (train / CLASSES[1] / "abs.png").symlink_to("/etc/hostname")
+    # Inside the tree a link is followed, as torchvision does.
+    (train / CLASSES[2] / "again.jpg").symlink_to(train / CLASSES[0] / f"{CLASSES[0]}_2.v2.jpg")
+    tree = image_folder_samples(str(train), 0)
+    assert tree.classes == CLASSES
+    got = sorted(os.path.relpath(p, train) for p, _ in tree.files)
+    assert got == sorted([*files, os.path.join(CLASSES[2], "again.jpg")])
+    assert len(tree.skipped_links) == 4
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "skipped 4 symlinks that lead out of the source tree" in err
+
+
+def test_a_self_link_is_an_error_naming_it(tmp_path):
+    make_image_folder(tmp_path / "train", per_class=1)
+    loop = tmp_path / "train" / CLASSES[0] / "loop.jpg"
+    loop.symlink_to(loop)
+    with pytest.raises(UserError, match=f"symlink loop at {loop}$"):
+        image_folder_samples(str(tmp_path / "train"), 0)
+
+
+def test_same_listing_as_torchvision_inside_the_tree(tmp_path):
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    train = tmp_path / "train"
+    make_image_folder(train, per_class=4)
+    for c in CLASSES[:2]:
+        (train / c / "nested" / "deeper").mkdir(parents=True)
+        (train / c / "nested" / "deeper" / "x.jpg").write_bytes(jpeg(1)[0])
+        (train / c / "Nested.b").mkdir()
+        (train / c / "Nested.b" / "y.PNG").write_bytes(jpeg(2)[0])
+    (train / CLASSES[2] / "from_a").symlink_to(train / CLASSES[0] / "nested")
+    (train / ".hidden").mkdir()
+    (train / ".hidden" / "h.jpg").write_bytes(jpeg(3)[0])
+    classes, class_to_idx = find_classes(str(train))
+    expected = make_dataset(str(train), class_to_idx, extensions=IMG_EXTENSIONS)
+    random.Random(5).shuffle(expected)
+    tree = image_folder_samples(str(train), 5)
+    assert tree.classes == classes and tree.files == expected
+
+
+# ---------------------------------------------------------------- outputs are local files
+
+
+@pytest.mark.parametrize("script", ["makeshards.py", "train.py"])
+def test_a_pipe_output_runs_nothing_and_is_one_error_line(tmp_path, script):
+    marker = tmp_path / "marker"
+    target = f"pipe:touch {marker} #"
+    if script == "makeshards.py":
+        args, culprit = ["--synthetic", "10", "--shards", target], f"--shards {target}"
+    else:
+        spec = f"{target}/x.index.json"
+        args = [f'data.train_shards="{spec}"', "data.allow_pipe=false", f"outputs={tmp_path}"]
+        culprit = f"data.train_shards={spec}"
+    proc = run_script(str(ROOT / script), *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert one_error_line(proc).startswith(f"error: {culprit}: shards are written to a local folder only")
+    assert not marker.exists() and os.listdir(tmp_path) == []
+
+
+def test_an_error_inside_the_commit_moves_the_previous_set_back(tmp_path, monkeypatch):
+    out = tmp_path / "syn"
+    from_synthetic(12, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=0, size=8)
+    before = snapshot(out)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 4:  # old index and shard 0 moved aside, new shard 0 in place
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        from_synthetic(12, str(out), "syn", maxcount=5, maxsize=1 << 30, seed=1, size=8)
+    monkeypatch.undo()
+    assert len(calls) == 4 + 3 and snapshot(out) == before  # the 3 renames done were undone
+
+
+def test_a_fifo_named_like_an_image_is_an_unreadable_image_not_a_hang(tmp_path):
+    make_image_folder(tmp_path / "train", per_class=1)
+    fifo = tmp_path / "train" / CLASSES[0] / "pipe.jpg"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=f"unreadable image {fifo}: OSError: not a regular file"):
+        from_image_folder(str(tmp_path / "train"), str(tmp_path / "out"), "t", maxcount=9, maxsize=1 << 30, seed=0)
+    assert not (tmp_path / "out" / "t.index.json").exists()
+
+
+def test_train_writes_its_synthetic_set_once_and_rewrites_it_whole(tmp_path):
+    from omegaconf import OmegaConf
+
+    from wdsdist.trainer import ensure_synthetic
+
+    index = tmp_path / "data" / "syn-train.index.json"
+
+    def cfg(n, seed):
+        synth = {"train_samples": n, "val_samples": 0, "size": 8, "shard_samples": 4, "seed": seed}
+        return OmegaConf.create({"data": {"train_shards": str(index), "val_shards": None, "synthetic": synth}})
+
+    ensure_synthetic(cfg(10, 0))
+    first = snapshot(index.parent)
+    assert len(first) == 4
+    ensure_synthetic(cfg(10, 0))  # already there: untouched
+    assert snapshot(index.parent) == first
+    ensure_synthetic(cfg(6, 1))
+    assert sorted(p.name for p in index.parent.iterdir()) == [
+        "syn-train-000000.tar",
+        "syn-train-000001.tar",
+        index.name,
+    ]
+    assert len(read_all(index)) == 6

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import tarfile
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
@@ -20,15 +21,45 @@ def index_path(outdir: str, prefix: str) -> str:
     return os.path.join(outdir, f"{prefix}.index.json")
 
 
-def write_index(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
-    """Write an index whose shard URLs are relative to the index's folder when they are local."""
+def create_new(path: str) -> BinaryIO:
+    """Open a file that does not exist yet for writing. O_EXCL and O_NOFOLLOW: a file or a
+    symlink planted at that name makes this fail instead of being written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    return os.fdopen(fd, "wb")
+
+
+def write_beside(path: str, data: bytes) -> str:
+    """Write data to a new, uniquely named temporary file in path's folder (synced to disk) and
+    return its name; the caller os.replace()s it onto path, which swaps the directory entry and
+    so never writes through a link at path. Two writers never share a temporary."""
+    folder, base = os.path.split(path)
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            f = create_new(tmp)
+        except FileExistsError:
+            continue
+        try:
+            with f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            os.remove(tmp)
+            raise
+        return tmp
+    raise UserError(f"cannot create a temporary file beside {path}")
+
+
+def index_desc(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
+    """The index for shards, with local shard URLs relative to the index's folder."""
     base = os.path.dirname(os.path.abspath(path))
     shardlist = []
     for url, n in shards:
         if not ("://" in url or url.startswith("pipe:")):
             url = os.path.relpath(os.path.abspath(url), base)
         shardlist.append({"url": url, "nsamples": int(n)})
-    desc = {
+    return {
         "__kind__": INDEX_KIND,
         "wids_version": 1,
         "shardlist": shardlist,
@@ -36,11 +67,21 @@ def write_index(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> d
         "nsamples": sum(s["nsamples"] for s in shardlist),
         **extra,
     }
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(desc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+
+
+def index_bytes(desc: dict) -> bytes:
+    return (json.dumps(desc, indent=1) + "\n").encode("utf-8")
+
+
+def write_index(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
+    """Write an index (atomically) whose shard URLs are relative to its folder when they are local."""
+    desc = index_desc(path, shards, **extra)
+    tmp = write_beside(path, index_bytes(desc))
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
     return desc
 
 

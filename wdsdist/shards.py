@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import io
 import json
 import os
 import random
+import re
+import shutil
+import stat
+import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
 from wdsdist import synthetic
 from wdsdist.errors import UserError
-from wdsdist.index import index_path, write_index
+from wdsdist.index import create_new, index_bytes, index_desc, index_path, write_beside
 
 
 @dataclass(frozen=True)
@@ -28,39 +38,118 @@ class Sample:
     meta: dict
 
 
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_local_output(path: str, what: str) -> None:
+    """Refuse an output that is not a plain local path: webdataset's gopen would run ``pipe:``
+    as a shell command and hand URLs (http:, s3:, file:, ...) to its tools, and outputs are
+    local files only, whatever data.allow_pipe says."""
+    if _SCHEME.match(path):
+        raise UserError(
+            f"{what}: shards are written to a local folder only, not to pipe: commands or URLs "
+            f"(for a local name with a colon write ./{path})"
+        )
+
+
+def shard_name(prefix: str, i: int) -> str:
+    return f"{prefix}-{i:06d}.tar"
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str) -> Iterator[None]:
+    """Serialise the short steps that look at or change the output folder's finished files,
+    between writers in this and other processes (flock on the folder itself: no lock file)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # A file system without flock (some NFS setups): unique temporaries still keep writers apart.
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_dead_temporaries(outdir: str, prefix: str) -> None:
+    """Remove temporary folders of this prefix left by writers that were killed (each live
+    writer holds a lock on its own)."""
+    with os.scandir(outdir) as it:
+        stale = [e.path for e in it if e.name.startswith(f".{prefix}.tmp-") and e.is_dir(follow_symlinks=False)]
+    for path in stale:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a writer is alive, or no flock here: leave it
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
 class ShardSink:
-    """Rolls over to a new shard at maxcount samples or maxsize bytes; each shard is written
-    to a temporary name and renamed when complete, so no reader ever sees half a shard."""
+    """Writes one set of shards; rolls over to a new shard at maxcount samples or maxsize bytes.
+
+    The shards go into a private temporary folder inside outdir (made by mkdtemp: unique, so
+    two writers of one prefix never share a file, and nothing planted in outdir is written
+    through). commit() moves the whole set into place, removes stale higher-numbered shards of
+    the prefix and writes the index; leaving without commit() (an unreadable image, Ctrl-C)
+    removes the temporaries, so the shards and index in outdir stay as they were. Use it as a
+    context manager."""
 
     def __init__(self, outdir: str, prefix: str, maxcount: int, maxsize: int):
         if maxcount < 1 or maxsize < 1:
             raise UserError(f"--maxcount and --maxsize must be >= 1, got {maxcount} and {maxsize}")
+        check_local_output(outdir, f"output folder {outdir}")
+        if not prefix or "/" in prefix or os.sep in prefix or prefix in (".", ".."):
+            raise UserError(f"shard prefix {prefix!r} must be a plain file name (no '/')")
         os.makedirs(outdir, exist_ok=True)
         self.outdir, self.prefix = outdir, prefix
         self.maxcount, self.maxsize = maxcount, maxsize
-        self.shards: list[tuple[str, int]] = []
+        self.counts: list[int] = []
+        self._alive: int | None = None
+        self._file: BinaryIO | None = None
         self._writer: wds.TarWriter | None = None
         self._count = self._size = 0
+        with _folder_lock(outdir):  # so a starting writer never removes this folder before it is locked
+            _remove_dead_temporaries(outdir, prefix)
+            self.tmpdir = tempfile.mkdtemp(prefix=f".{prefix}.tmp-", dir=outdir)
+            try:
+                self._alive = os.open(self.tmpdir, os.O_RDONLY | os.O_DIRECTORY)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BaseException:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                raise
 
-    def _path(self) -> str:
-        return os.path.join(self.outdir, f"{self.prefix}-{len(self.shards):06d}.tar")
+    def __enter__(self) -> ShardSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
 
     def _close(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            path = self._path()
-            os.replace(path + ".tmp", path)
-            self.shards.append((path, self._count))
-            self._writer = None
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self.counts.append(self._count)
+            self._writer = self._file = None
 
     def write(self, s: Sample) -> None:
         nbytes = len(s.image) + 1024
         if self._writer is not None and (self._count >= self.maxcount or self._size + nbytes > self.maxsize):
             self._close()
         if self._writer is None:
+            self._file = create_new(os.path.join(self.tmpdir, shard_name(self.prefix, len(self.counts))))
             # A whole-second mtime: a float one makes tarfile add a PAX header to every member,
             # which every reader then parses.
-            self._writer = wds.TarWriter(self._path() + ".tmp", mtime=int(time.time()))
+            self._writer = wds.TarWriter(self._file, mtime=int(time.time()))
             self._count = self._size = 0
         self._writer.write({"__key__": s.key, s.ext: s.image, "cls": str(s.label), "json": json.dumps(s.meta).encode()})
         self._count += 1
@@ -71,57 +160,229 @@ class ShardSink:
         self._close()
 
     def abort(self) -> None:
-        """Drop the shard being written; the complete ones stay, the index is not written."""
+        """Drop everything not committed; what is in outdir stays as it was."""
         if self._writer is not None:
-            self._writer.close()
-            os.remove(self._path() + ".tmp")
-            self._writer = None
+            with contextlib.suppress(Exception):  # ends the tar stream, so nothing flushes into a closed file later
+                self._writer.close()
+        if self._file is not None:
+            self._file.close()
+        self._writer = self._file = None
+        if self._alive is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            os.close(self._alive)
+            self._alive = None
 
-    def finish(self) -> list[tuple[str, int]]:
+    def commit(self, **index_extra) -> dict:
+        """Put the new set of shards and its index in place of the old; return the index."""
         self._close()
-        return self.shards
+        if not self.counts:
+            raise UserError(f"no samples to write for {self.prefix}")
+        if self._alive is None:
+            raise RuntimeError("commit() after abort()")
+        index = index_path(self.outdir, self.prefix)
+        final = [(os.path.join(self.outdir, shard_name(self.prefix, i)), n) for i, n in enumerate(self.counts)]
+        desc = index_desc(index, final, **({"name": self.prefix} | index_extra))
+        for path, _ in final:
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise UserError(f"{path} is a folder where a shard goes: move it or choose another prefix")
+        # Everything that can fail for want of space is written before the first old file goes.
+        new_index = write_beside(index, index_bytes(desc))
+        old = os.path.join(self.tmpdir, "old")
+        os.mkdir(old)
+        moved: list[tuple[str, str]] = []
+
+        def move(src: str, dst: str) -> None:
+            os.rename(src, dst)
+            moved.append((src, dst))
+
+        try:
+            with _folder_lock(self.outdir):
+                # The window: renames only, none onto an existing name (replacing a file costs
+                # its deletion, milliseconds each on some file systems); the old files are
+                # deleted with the temporary folder afterwards. The old index goes first, so a
+                # crash inside the window leaves no index (readers refuse it, ensure_synthetic
+                # rewrites the set) rather than an index listing other shards than those on disk.
+                # An exception inside it (Ctrl-C) moves everything back.
+                try:
+                    if os.path.lexists(index):
+                        move(index, os.path.join(old, "index"))
+                    for i, (path, _) in enumerate(final):
+                        if os.path.lexists(path):
+                            move(path, os.path.join(old, os.path.basename(path)))
+                        move(os.path.join(self.tmpdir, shard_name(self.prefix, i)), path)
+                    for path in self._stale(len(final)):
+                        move(path, os.path.join(old, os.path.basename(path)))
+                    move(new_index, index)
+                except BaseException:
+                    for src, dst in reversed(moved):
+                        os.rename(dst, src)
+                    raise
+                _fsync_dir(self.outdir)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(new_index)
+            raise
+        finally:
+            self.abort()
+        return desc
+
+    def _stale(self, nshards: int) -> list[str]:
+        """Shards of this prefix numbered beyond the new set: left, a *.tar glob would add them."""
+        pattern = re.compile(re.escape(self.prefix) + r"-(\d{6,})\.tar")
+        with os.scandir(self.outdir) as it:
+            return [
+                e.path
+                for e in it
+                if (m := pattern.fullmatch(e.name))
+                and int(m.group(1)) >= nshards
+                and not e.is_dir(follow_symlinks=False)
+            ]
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_shards(
     samples: Iterable[Sample], total: int, outdir: str, prefix: str, *, maxcount: int, maxsize: int, **index_extra
 ) -> dict:
-    """Write samples into shards and the index beside them; return the index."""
-    sink = ShardSink(outdir, prefix, maxcount, maxsize)
-    try:
+    """Write samples into shards and the index beside them, replacing the prefix's old set
+    only when every sample is written; return the index."""
+    with ShardSink(outdir, prefix, maxcount, maxsize) as sink:
         for s in tqdm(samples, total=total, desc=f"writing {prefix}", unit="img", mininterval=1.0):
             sink.write(s)
-    except BaseException:
-        sink.abort()
-        raise
-    shards = sink.finish()
-    if not shards:
-        raise UserError(f"no samples to write for {prefix}")
-    return write_index(index_path(outdir, prefix), shards, name=prefix, **index_extra)
+        return sink.commit(**index_extra)
 
 
-def image_folder_samples(source: str, seed: int) -> tuple[list[Sample], list[str]]:
-    """List an ImageFolder tree; return lazily-read samples in seeded shuffled order and the classes."""
+# ---------------------------------------------------------------- ImageFolder trees
+
+
+@dataclass
+class SourceTree:
+    files: list[tuple[str, int]]  # (path, label) in seeded shuffled order
+    classes: list[str]
+    skipped_links: list[tuple[str, str]]  # (link, where it leads) out of the tree, not followed
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+class _TreeWalk:
+    """torchvision's ImageFolder listing (find_classes + make_dataset: sorted class folders,
+    IMG_EXTENSIONS, the same order), except that symlinks are followed only while they stay
+    inside the source tree, and a link back to a folder above it is an error, not an endless walk."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.root = os.path.realpath(source)
+        self.skipped: list[tuple[str, str]] = []
+
+    def _list(self, folder: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as it:
+                return list(it)
+        except OSError as exc:
+            raise UserError(f"--source {self.source}: cannot list {folder}: {exc.strerror}") from None
+
+    def _kind(self, entry: os.DirEntry, ancestors: set[tuple[int, int]]) -> tuple[str, tuple[int, int] | None]:
+        """("dir", its id), ("file", None) or ("skip", None) for a link out of the tree."""
+        try:
+            if entry.is_symlink():
+                target = os.path.realpath(entry.path)
+                if not _inside(target, self.root):
+                    self.skipped.append((entry.path, target))
+                    return "skip", None
+                st = os.stat(entry.path)
+            else:
+                st = entry.stat(follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UserError(f"--source {self.source}: symlink loop at {entry.path}") from None
+            return "file", None  # e.g. a dangling link: listed as torchvision does; reading it names it
+        if stat.S_ISDIR(st.st_mode):
+            ident = (st.st_dev, st.st_ino)
+            if ident in ancestors:
+                back = os.path.realpath(entry.path)
+                raise UserError(f"--source {self.source}: symlink loop at {entry.path} (leads back to {back})")
+            return "dir", ident
+        return "file", None
+
+    def classes(self) -> list[tuple[str, tuple[int, int]]]:
+        st = os.stat(self.root)
+        top = {(st.st_dev, st.st_ino)}
+        found = []
+        for e in self._list(self.source):
+            kind, ident = self._kind(e, top)
+            if kind == "dir":
+                found.append((e.name, ident))
+        return sorted(found)
+
+    def images(self, folder: str, ancestors: set[tuple[int, int]]) -> list[str]:
+        """Image files under folder, in make_dataset's order: folders sorted by path, names sorted."""
+        listed: list[tuple[str, list[str]]] = []
+        stack = [(folder, ancestors)]
+        while stack:
+            path, above = stack.pop()
+            names = []
+            for e in self._list(path):
+                kind, ident = self._kind(e, above)
+                if kind == "dir":
+                    stack.append((e.path, above | {ident}))
+                elif kind == "file" and e.name.lower().endswith(IMG_EXTENSIONS):
+                    names.append(e.name)
+            listed.append((path, sorted(names)))
+        return [os.path.join(path, name) for path, names in sorted(listed) for name in names]
+
+
+def image_folder_samples(source: str, seed: int) -> SourceTree:
+    """List an ImageFolder tree: the image files with their labels in seeded shuffled order."""
     if not os.path.isdir(source):
         raise UserError(f"--source {source}: no such folder")
-    try:
-        classes, class_to_idx = find_classes(source)
-    except FileNotFoundError:
-        raise UserError(f"--source {source}: no class folders in it (expected SOURCE/CLASS/IMAGE)") from None
-    files = make_dataset(source, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+    walk = _TreeWalk(source)
+    class_dirs = walk.classes()
+    if not class_dirs:
+        raise UserError(f"--source {source}: no class folders in it (expected SOURCE/CLASS/IMAGE){_skipped(walk)}")
+    top = os.stat(walk.root)
+    files = []
+    for label, (name, ident) in enumerate(class_dirs):
+        above = {(top.st_dev, top.st_ino), ident}
+        files.extend((path, label) for path in walk.images(os.path.join(source, name), above))
     if not files:
-        raise UserError(f"--source {source}: no images ({', '.join(IMG_EXTENSIONS)}) in its class folders")
+        raise UserError(
+            f"--source {source}: no images ({', '.join(IMG_EXTENSIONS)}) in its class folders{_skipped(walk)}"
+        )
+    if walk.skipped:
+        link, target = walk.skipped[0]
+        print(
+            f"warning: --source {source}: skipped {len(walk.skipped)} symlinks that lead out of the source tree "
+            f"(first {link} -> {target}); copy what they point to into the tree to include it",
+            file=sys.stderr,
+        )
     random.Random(seed).shuffle(files)
-    return files, classes
+    return SourceTree(files, [name for name, _ in class_dirs], walk.skipped)
+
+
+def _skipped(walk: _TreeWalk) -> str:
+    return f"; {len(walk.skipped)} symlinks out of the tree were not followed" if walk.skipped else ""
 
 
 def _read_image_file(source: str, path: str, label: int, classes: list[str]) -> Sample:
     rel = os.path.relpath(path, source)
     stem, ext = os.path.splitext(rel)
     try:
-        with Image.open(path) as im:
-            fmt = im.format
-        with open(path, "rb") as f:
+        # Non-blocking open: a FIFO named like an image must not hang the run.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError("not a regular file")
             data = f.read()
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = im.format
     except (UnidentifiedImageError, OSError) as exc:
         raise UserError(f"unreadable image {path}: {exc.__class__.__name__}: {exc}") from None
     ext = ext.lstrip(".").lower() or (fmt or "img").lower()
@@ -131,22 +392,24 @@ def _read_image_file(source: str, path: str, label: int, classes: list[str]) -> 
 
 
 def from_image_folder(source: str, outdir: str, prefix: str, *, maxcount: int, maxsize: int, seed: int) -> dict:
-    files, classes = image_folder_samples(source, seed)
+    """Shards of an ImageFolder tree; the index also says how many symlinks were not followed."""
+    tree = image_folder_samples(source, seed)
 
     def samples() -> Iterator[Sample]:
-        for path, label in files:
-            yield _read_image_file(source, path, label, classes)
+        for path, label in tree.files:
+            yield _read_image_file(source, path, label, tree.classes)
 
-    return write_shards(
+    desc = write_shards(
         samples(),
-        len(files),
+        len(tree.files),
         outdir,
         prefix,
         maxcount=maxcount,
         maxsize=maxsize,
-        classes=classes,
+        classes=tree.classes,
         source=os.path.abspath(source),
     )
+    return desc | {"skipped_links": len(tree.skipped_links)}
 
 
 def from_synthetic(

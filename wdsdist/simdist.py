@@ -176,20 +176,19 @@ def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> La
 def write_synthetic_shards(counts: Sequence[int], outdir: str, prefix: str, *, seed: int = 0) -> str:
     """Shards of exactly ``counts`` synthetic samples (tiny images, unique keys), and their index."""
     from wdsdist import synthetic
-    from wdsdist.index import index_path, write_index
+    from wdsdist.index import index_path
     from wdsdist.shards import Sample, ShardSink
 
-    sink = ShardSink(outdir, prefix, maxcount=max(counts), maxsize=1 << 40)
-    i = 0
-    for count in counts:
-        for _ in range(count):
-            image, label = synthetic.draw(i, size=IMAGE_SIZE, seed=seed)
-            sink.write(Sample(f"sample-{i:08d}", "jpg", synthetic.jpeg_bytes(image, 90), label, {}))
-            i += 1
-        sink.end_shard()
-    index = index_path(outdir, prefix)
-    write_index(index, sink.finish(), name=prefix, classes=list(synthetic.CLASSES), synthetic={"seed": seed})
-    return index
+    with ShardSink(outdir, prefix, maxcount=max(counts), maxsize=1 << 40) as sink:
+        i = 0
+        for count in counts:
+            for _ in range(count):
+                image, label = synthetic.draw(i, size=IMAGE_SIZE, seed=seed)
+                sink.write(Sample(f"sample-{i:08d}", "jpg", synthetic.jpeg_bytes(image, 90), label, {}))
+                i += 1
+            sink.end_shard()
+        sink.commit(classes=list(synthetic.CLASSES), synthetic={"seed": seed})
+    return index_path(outdir, prefix)
 
 
 # ---------------------------------------------------------------- what each rank delivers

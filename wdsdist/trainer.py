@@ -34,7 +34,7 @@ from wdsdist.distributed import Dist
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import read_index
 from wdsdist.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
-from wdsdist.shards import from_synthetic
+from wdsdist.shards import check_local_output, from_synthetic
 from wdsdist.shardspec import Shard
 
 CKPT_FORMAT = "wdsdist-checkpoint-v1"
@@ -103,6 +103,7 @@ def ensure_synthetic(cfg: DictConfig) -> None:
     if cfg.data.val_shards:
         jobs.append(("data.val_shards", cfg.data.val_shards, "val", s.val_samples))
     for key, index, split, n in jobs:
+        check_local_output(index, f"{key}={index}")
         if not index.endswith(".index.json"):
             raise UserError(
                 f"{key}={index}: with data.synthetic set it must name the index to write (DIR/PREFIX.index.json); "
