@@ -150,7 +150,9 @@ def test_trust_index_lets_a_legitimate_index_of_absolute_paths_and_pipes_through
     index = write_index(tmp_path / "elsewhere.index.json", *entries)
     with pytest.raises(UserError, match=r"shardlist\[0\]: refused .*: an absolute path"):
         shardspec.expand(index)
-    with pytest.raises(UserError, match=r"shardlist\[2\]: pipe:cat .*: pipe: URLs are refused \(allow_pipe is false\)"):
+    with pytest.raises(
+        UserError, match=r"shardlist\[2\]: 'pipe:cat .*': pipe: URLs are refused \(allow_pipe is false\)"
+    ):
         shardspec.expand(index, access=shardspec.Access(trust_index=True))
     trusted = cfg(trust_index=True, allow_pipe=True)
     shards = shardspec.expand(index, access=trusted.access)

@@ -102,7 +102,7 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
         if not trust:
             raise refuse("an index may not run a shell command", "data.trust_index=true with data.allow_pipe=true")
         if not access.allow_pipe:
-            raise UserError(f"{index_url}: shardlist[{i}]: {url}: pipe: URLs are refused (allow_pipe is false)")
+            raise UserError(f"{index_url}: shardlist[{i}]: {url!r}: pipe: URLs are refused (allow_pipe is false)")
         return url
     remote_index = _is_http(index_url)
     match = _SCHEME.match(url)
