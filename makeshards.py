@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from tqdm import tqdm
 
@@ -48,7 +49,15 @@ def index_only(spec: str, output: str | None) -> dict:
         if shardspec.is_remote(first):
             raise UserError("--index of remote shards needs --output FILE")
         output = os.path.join(os.path.dirname(first), f"{name}.index.json")
-    return write_index(output, counts, name=name) | {"path": output}
+    desc = write_index(output, counts, name=name)
+    outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
+    if outside:
+        print(
+            f"note: {output} names shards outside its folder (first {outside[0]}); readers refuse that unless told "
+            f"to trust the index (train.py data.trust_index=true, simdist.py --trust-index)",
+            file=sys.stderr,
+        )
+    return desc | {"path": output}
 
 
 def main() -> int:

@@ -43,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     data.add_argument("--seed", type=int, default=0, help="seed of the spread and of the loader's shuffles")
     data.add_argument("--cache", default="data/simdist", help="where real mode writes synthetic shards (%(default)s)")
+    data.add_argument("--allow-pipe", action="store_true", help="open pipe: shards (they run a shell command)")
+    data.add_argument(
+        "--trust-index", action="store_true", help="let the index name absolute paths, '..', other servers"
+    )
     job = p.add_argument_group("the job")
     job.add_argument("--size", type=integer(1), default=3, help="ranks (world size) (default: %(default)s)")
     job.add_argument("--nworkers", type=integer(0), default=3, help="DataLoader workers per rank (default: 3)")
@@ -62,11 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def access(args: argparse.Namespace) -> simdist.Access:
+    return simdist.Access(allow_pipe=args.allow_pipe, trust_index=args.trust_index)
+
+
 def layout(args: argparse.Namespace) -> simdist.Layout:
     if args.shards:
         if args.nshards or args.samples_per_shard:
             raise UserError("--shards and --nshards/--samples-per-shard describe the data twice: give one")
-        return simdist.spec_layout(args.shards, count_local=True, count_remote=not args.plan, need_files=not args.plan)
+        return simdist.spec_layout(
+            args.shards, count_local=True, count_remote=not args.plan, need_files=not args.plan, access=access(args)
+        )
     nshards = args.nshards or simdist.DEFAULT_NSHARDS
     samples = args.samples_per_shard or simdist.DEFAULT_SAMPLES
     described = simdist.described_layout(nshards, samples, args.seed)
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     if args.plan and args.showopen:
         print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
     sim = simdist.simulate_plan(layout(args), settings)
-    real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen)
+    real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen, access=access(args))
     return simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot)
 
 

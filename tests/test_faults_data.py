@@ -102,7 +102,7 @@ def test_shell_metacharacters_in_an_http_url_are_never_run(http_root, tmp_path):
 
 def test_pipe_urls_run_only_when_allowed(three_shards, tmp_path):
     url = f"pipe:cat {three_shards.parent}/tiny-000000.tar"
-    keys, _ = keys_and_bad(make_eval_loader([shardspec.Shard(url, 6)], 0, 1, cfg()))
+    keys, _ = keys_and_bad(make_eval_loader([shardspec.Shard(url, 6)], 0, 1, cfg(allow_pipe=True)))
     assert len(keys) == 6
     with pytest.raises(UserError, match=r"pipe:cat .*: pipe: URLs are refused \(allow_pipe is false\)"):
         make_eval_loader([shardspec.Shard(url, 6)], 0, 1, cfg(allow_pipe=False))

@@ -55,6 +55,8 @@ def test_two_nodes_on_loopback_agree_and_each_rank_reads_only_its_shards(shards,
             "trainer.steps=8",
             "trainer.workers=1",
             "trainer.ckpt_every=4",
+            "data.allow_pipe=true",  # the index is this test's own: its pipe: entries log each open
+            "data.trust_index=true",
         ),
     ]
     agents = [
@@ -107,7 +109,13 @@ def test_training_from_shards_over_http(shards, http_server, tmp_path, kind):
     run = tmp_path / "run"
     proc = run_script(
         "train.py",
-        *overrides({"train": f'"{spec}"', "val": shards["val"]}, run, "trainer.steps=6", "trainer.workers=1"),
+        *overrides(
+            {"train": f'"{spec}"', "val": shards["val"]},
+            run,
+            "trainer.steps=6",
+            "trainer.workers=1",
+            f"data.allow_pipe={str(kind == 'pipe-curl').lower()}",
+        ),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())

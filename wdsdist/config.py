@@ -26,6 +26,7 @@ from omegaconf.errors import (
 )
 
 from wdsdist.errors import DataError, JobError, UserError, die
+from wdsdist.httpopen import DEFAULT_MIN_RATE
 
 
 class LoaderMode(Enum):
@@ -76,9 +77,11 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
     strict: bool = False  # a bad or missing shard or sample stops training (default: skipped, warned, counted)
-    allow_pipe: bool = True  # accept pipe: shard URLs (they run a shell command); false refuses them
+    allow_pipe: bool = False  # accept pipe: shard URLs (they run a shell command)
+    trust_index: bool = False  # an index may name absolute paths, '..', other servers (and pipe: with allow_pipe)
     max_pixels: int = 89_478_485  # an image declaring more pixels is a corrupt sample (decompression bomb)
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
+    http_min_rate: int = DEFAULT_MIN_RATE  # bytes/s an http(s) server must send per http_timeout spent waiting; 0: off
 
 
 @dataclass
@@ -170,6 +173,7 @@ def check(cfg: DictConfig) -> None:
     need(t.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
     need(d.max_pixels >= 1, "data.max_pixels", "must be >= 1")
     need(d.http_timeout > 0, "data.http_timeout", "must be > 0 (seconds)")
+    need(d.http_min_rate >= 0, "data.http_min_rate", "must be >= 0 (bytes/s; 0: no rate check)")
     need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")
     need(t.epochs is None or ld.mode == LoaderMode.epoch, "trainer.epochs", "needs loader.mode=epoch")
     need(d.image_size >= 8, "data.image_size", "must be >= 8")

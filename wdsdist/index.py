@@ -12,9 +12,11 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
+from wdsdist import httpopen
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
+HTTP_TIMEOUT = 60.0  # seconds, as data.http_timeout's default
 
 
 def index_path(outdir: str, prefix: str) -> str:
@@ -116,7 +118,11 @@ def count_samples(url: str) -> int:
             # Random access: headers only, member data is skipped with seeks.
             with tarfile.open(url, mode="r:*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())
-        stream = wds.gopen(url, "rb")
+        # http(s) the way the loader reads it (httpopen's limits), not through curl.
+        if url.startswith(("http://", "https://")):
+            stream = httpopen.open_url(url, HTTP_TIMEOUT)
+        else:
+            stream = wds.gopen(url, "rb")
         try:
             with tarfile.open(fileobj=stream, mode="r|*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())

@@ -28,7 +28,6 @@ import os
 import random
 import signal
 import sys
-import urllib.request
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +41,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from webdataset.filters import _batched, _shuffle
 
-from wdsdist import jpegcrop, shardspec
+from wdsdist import httpopen, jpegcrop, shardspec
 from wdsdist.errors import DataError, UserError
 from wdsdist.index import count_samples
 from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder
@@ -87,9 +86,11 @@ class LoaderConfig:
     with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
     trace: bool = False  # print every shard open and close (simdist --showopen)
     strict: bool = False  # a bad shard or sample is an error (default: skipped, warned and counted)
-    allow_pipe: bool = True  # accept pipe: URLs (they run a shell command)
+    allow_pipe: bool = False  # accept pipe: URLs (they run a shell command)
+    trust_index: bool = False  # an index may name shards outside its own place (shardspec.Access)
     max_pixels: int = 89_478_485  # larger images are rejected as corrupt (decompression bombs)
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
+    http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s per http_timeout of waiting (httpopen); 0: off
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,6 +110,10 @@ class LoaderConfig:
                 raise UserError(f"nbatches={self.nbatches}: must be >= 1 or auto")
 
     @property
+    def access(self) -> shardspec.Access:
+        return shardspec.Access(self.allow_pipe, self.trust_index, self.http_timeout, self.http_min_rate)
+
+    @property
     def rebatch(self) -> bool:
         return self.cross_shuffle > 0
 
@@ -124,13 +129,14 @@ class LoaderConfig:
 def open_shard(url: str, cfg: LoaderConfig) -> io.BufferedIOBase:
     """Open a shard for sequential reading.
 
-    http(s) goes through urllib with a timeout, never a shell, so a URL cannot inject a
-    command and a server that does not answer fails in ``http_timeout`` seconds. ``pipe:``
-    runs its command in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``.
-    Local files honour WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
+    http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
+    a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
+    below ``http_min_rate``, and a redirect off http(s) is refused. ``pipe:`` runs its command
+    in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
+    WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
     """
     if url.startswith(("http://", "https://")):
-        return urllib.request.urlopen(url, timeout=cfg.http_timeout)  # noqa: S310 (scheme checked)
+        return httpopen.open_url(url, cfg.http_timeout, cfg.http_min_rate)
     if url.startswith("pipe:"):
         if not cfg.allow_pipe:
             raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
@@ -703,7 +709,7 @@ def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfi
     if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
         shards = list(spec)
     else:
-        shards = shardspec.expand(spec, strict=cfg.strict)  # type: ignore[arg-type]
+        shards = shardspec.expand(spec, strict=cfg.strict, access=cfg.access)  # type: ignore[arg-type]
     if not cfg.allow_pipe:
         piped = [s.url for s in shards if s.url.startswith("pipe:")]
         if piped:

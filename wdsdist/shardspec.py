@@ -5,7 +5,8 @@ A spec is one of:
   - several specs joined by ``::`` (WebDataset's separator), or a Python list of specs
   - ``http(s)://`` and ``pipe:`` URLs (brace patterns allowed, not checked for existence)
   - the path or URL of an index JSON (``*.json``), which also gives ``nsamples`` per shard;
-    relative shard URLs in it are resolved against the index's location.
+    relative shard URLs in it are resolved against the index's location. An index is data,
+    not configuration: what it may name is checked here, the one place (see ``Access``).
 """
 
 from __future__ import annotations
@@ -13,22 +14,41 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import braceexpand
 
+from wdsdist import httpopen
 from wdsdist.errors import UserError
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")
+MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 @dataclass(frozen=True)
 class Shard:
     url: str
     nsamples: int | None = None
+
+
+@dataclass(frozen=True)
+class Access:
+    """What reading a spec may do beyond local files the user named.
+
+    ``allow_pipe``: ``pipe:`` URLs (a shell command) may run. ``trust_index``: an index may name
+    shards outside its own place (absolute paths, ``..``, another server, other URL schemes, and
+    with ``allow_pipe`` also ``pipe:``); without it a local index names files inside its folder or
+    URLs, and a remote index names http(s) URLs on its own server (scheme, host and port)."""
+
+    allow_pipe: bool = False
+    trust_index: bool = False
+    http_timeout: float = 60.0
+    http_min_rate: int = httpopen.DEFAULT_MIN_RATE
 
 
 def is_remote(url: str) -> bool:
@@ -39,48 +59,120 @@ def is_index(spec: str) -> bool:
     return spec.split("?", 1)[0].endswith(".json")
 
 
-def _read_text(url: str) -> str:
-    if url.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(url, timeout=60) as response:
-                return response.read().decode("utf-8")
-        except OSError as exc:
-            raise UserError(f"cannot read shard index {url}: {exc}") from None
+def _is_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def _read_text(url: str, access: Access) -> str:
     try:
-        with open(url, encoding="utf-8") as f:
-            return f.read()
+        if _is_http(url):
+            data = httpopen.read_capped(url, MAX_INDEX_BYTES, access.http_timeout, access.http_min_rate)
+        else:
+            with open(url, "rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
+            if len(data) > MAX_INDEX_BYTES:
+                raise ValueError(f"it is more than the limit of {MAX_INDEX_BYTES} bytes")
+        return data.decode("utf-8")
     except OSError as exc:
-        raise UserError(f"cannot read shard index {url}: {exc.strerror}") from None
+        reason = exc.strerror or (exc.args[0] if exc.args else exc.__class__.__name__)
+        raise UserError(f"cannot read shard index {url}: {reason}") from None
+    except ValueError as exc:  # too large, or not UTF-8
+        raise UserError(f"cannot read shard index {url}: {exc}") from None
 
 
-def _resolve(base: str, url: str) -> str:
-    """Resolve a shard URL from an index relative to the index's own location."""
-    if is_remote(url) or os.path.isabs(url):
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # a port that is not a number: no origin matches it
+        port = -1
+    return scheme, (parts.hostname or ""), port
+
+
+def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
+    """An index entry resolved against the index's location; UserError where it reaches beyond
+    what the index's own location allows (see ``Access``) and the user did not say to trust it."""
+    trust = access.trust_index
+
+    def refuse(why: str, lift: str = "data.trust_index=true") -> UserError:
+        return UserError(f"{index_url}: shardlist[{i}]: refused {url!r}: {why} ({lift} allows it)")
+
+    if url.startswith("pipe:"):
+        if not trust:
+            raise refuse("an index may not run a shell command", "data.trust_index=true with data.allow_pipe=true")
+        if not access.allow_pipe:
+            raise UserError(f"{index_url}: shardlist[{i}]: {url!r}: pipe: URLs are refused (allow_pipe is false)")
         return url
-    if base.startswith(("http://", "https://")):
-        return base.rsplit("/", 1)[0] + "/" + url
-    return os.path.join(os.path.dirname(base), url)
+    remote_index = _is_http(index_url)
+    match = _SCHEME.match(url)
+    if match:
+        scheme = match.group(1).lower()
+        if trust:
+            return url
+        if scheme == "file":
+            raise refuse("a file: URL, outside the index's folder")
+        if remote_index and (scheme not in httpopen.SCHEMES or _origin(url) != _origin(index_url)):
+            raise refuse(f"not on the index's own server {urllib.parse.urljoin(index_url, '/')}")
+        return url  # a local index may name any URL but file: (and pipe:)
+    if os.path.isabs(url):
+        if trust:
+            return url  # a local file, also from a remote index
+        raise refuse("an absolute path, outside the index's folder")
+    if remote_index:
+        resolved = urllib.parse.urljoin(index_url, url)
+        if not trust and not resolved.startswith(urllib.parse.urljoin(index_url, ".")):
+            raise refuse("it leads outside the index's folder")
+        return resolved
+    path = os.path.join(os.path.dirname(index_url), url)
+    folder = os.path.abspath(os.path.dirname(index_url))
+    if not trust and os.path.commonpath([folder, os.path.abspath(path)]) != folder:
+        raise refuse("it leads outside the index's folder")
+    return path
 
 
-def read_index_shards(index_url: str) -> list[Shard]:
-    text = _read_text(index_url)
+def _entry(index_url: str, i: int, entry: object, access: Access) -> Shard:
+    where = f"{index_url}: shardlist[{i}]"
+    if not isinstance(entry, dict):
+        raise UserError(f"{where}: must be an object with url and nsamples, got {_short(entry)}")
+    for key in ("url", "nsamples"):
+        if key not in entry:
+            raise UserError(f'{where}: no "{key}" in {_short(entry)}')
+    url, n = entry["url"], entry["nsamples"]
+    if not isinstance(url, str) or not url:
+        raise UserError(f'{where}: "url" must be a non-empty string, got {_short(url)}')
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise UserError(f'{where}: "nsamples" must be an integer >= 0, got {_short(n)}')
+    return Shard(_entry_url(index_url, i, url, access), n)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_index_shards(index_url: str, access: Access | None = None) -> list[Shard]:
+    """The shards an index lists, checked (schema and where they may be; see ``Access``)."""
+    access = access or Access()
+    text = _read_text(index_url, access)
     try:
         desc = json.loads(text)
-        entries = desc["shardlist"]
-        shards = [Shard(_resolve(index_url, e["url"]), int(e["nsamples"])) for e in entries]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{index_url}: not a shard index (need 'shardlist' of url/nsamples): {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise UserError(f"{index_url}: not a shard index (not JSON: {exc})") from None
+    if not isinstance(desc, dict) or not isinstance(desc.get("shardlist"), list):
+        raise UserError(f"{index_url}: not a shard index (need an object with a 'shardlist' of url/nsamples)")
+    shards = [_entry(index_url, i, e, access) for i, e in enumerate(desc["shardlist"])]
     if not shards:
         raise UserError(f"{index_url}: the shard index lists no shards")
     return shards
 
 
-def _expand_one(spec: str, strict: bool) -> list[Shard]:
+def _expand_one(spec: str, strict: bool, access: Access) -> list[Shard]:
     spec = spec.strip()
     if not spec:
         return []
     if is_index(spec):
-        return read_index_shards(spec)
+        return read_index_shards(spec, access)
     urls = list(braceexpand.braceexpand(spec))
     if is_remote(spec):
         return [Shard(u) for u in urls]
@@ -106,15 +198,16 @@ def _expand_one(spec: str, strict: bool) -> list[Shard]:
     return shards
 
 
-def expand(spec: str | Sequence[str], strict: bool = True) -> list[Shard]:
+def expand(spec: str | Sequence[str], strict: bool = True, access: Access | None = None) -> list[Shard]:
     """Expand a shard spec (see module docstring); raise UserError if it names nothing.
 
     Some missing local shards are an error when ``strict``, else a warning; none at all is
-    always an error."""
+    always an error. ``access`` says what an index may name and how http(s) is read."""
+    access = access or Access()
     parts = spec.split("::") if isinstance(spec, str) else [str(s) for s in spec]
     shards: list[Shard] = []
     for part in parts:
-        shards.extend(_expand_one(part, strict))
+        shards.extend(_expand_one(part, strict, access))
     if not shards:
         raise UserError(f"shard spec {spec!r} is empty")
     return shards

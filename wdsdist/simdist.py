@@ -31,7 +31,7 @@ from typing import TextIO
 
 from wdsdist import shardspec
 from wdsdist.errors import UserError
-from wdsdist.shardspec import Shard
+from wdsdist.shardspec import Access, Shard
 from wdsdist.splits import Plan, RankPlan, nearest_divisible, plan, suggest_dsrepeat
 
 DEFAULT_NSHARDS = 10
@@ -118,12 +118,16 @@ def described_layout(nshards: int, samples: str, seed: int) -> Layout:
     return Layout(tuple(counts), source)
 
 
-def spec_layout(spec: str, *, count_local: bool, count_remote: bool, need_files: bool = False) -> Layout:
+def spec_layout(
+    spec: str, *, count_local: bool, count_remote: bool, need_files: bool = False, access: Access | None = None
+) -> Layout:
     """A layout from a shard spec: counts from its index, else counted from tar headers if allowed.
 
     ``need_files``: real mode reads the shards, so local ones an index lists must exist.
+    ``access``: what the spec's index may name, and whether pipe: shards may be opened.
     """
-    shards = shardspec.expand(spec)
+    access = access or Access()
+    shards = shardspec.expand(spec, access=access)
     if need_files:
         absent = [s.url for s in shards if not shardspec.is_remote(s.url) and not os.path.exists(s.url)]
         if absent:
@@ -141,13 +145,22 @@ def spec_layout(spec: str, *, count_local: bool, count_remote: bool, need_files:
                 f"--plan needs sample counts and {first} has none: give an index JSON "
                 f"(makeshards.py --index), or describe the layout with --nshards and --samples-per-shard"
             )
+        _refuse_pipes(unknown, access)
         from wdsdist.index import count_samples  # imports torch: only when counting
 
         try:
             counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
         except UserError as exc:
             raise UserError(" ".join(str(exc).split())) from None  # tarfile's reasons span lines
+    if need_files:
+        _refuse_pipes(shards, access)
     return Layout(tuple(counts), spec, tuple(shards))
+
+
+def _refuse_pipes(shards: Sequence[Shard], access: Access) -> None:
+    piped = [s.url for s in shards if s.url.startswith("pipe:")]
+    if piped and not access.allow_pipe:
+        raise UserError(f"{piped[0]}: pipe: URLs are refused (they run a shell command; --allow-pipe allows them)")
 
 
 def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> Layout:
@@ -329,8 +342,11 @@ class RealRun:
     coverage: list[Coverage]  # per epoch
 
 
-def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE) -> RealRun:
+def simulate_real(
+    sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE, access: Access | None = None
+) -> RealRun:
     """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
+    access = access or Access()
     from wdsdist.pipeline import DataError, LoaderConfig, RankLoader
 
     s, shards = sim.settings, sim.layout.shards
@@ -349,6 +365,8 @@ def simulate_real(sim: Simulation, *, showopen: bool = False, image_size: int = 
         with_keys=True,
         trace=showopen,
         strict=True,  # a simulator reports bad data at once: skipping it would change the counts
+        allow_pipe=access.allow_pipe,
+        trust_index=access.trust_index,
     )
     epochs: list[list[RankEpoch]] = [[] for _ in range(s.nepochs)]
     keys: list[Counter[str]] = [Counter() for _ in range(s.nepochs)]

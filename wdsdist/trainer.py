@@ -146,8 +146,10 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
         pin_memory=d.device.type == "cuda",
         strict=cfg.data.strict,
         allow_pipe=cfg.data.allow_pipe,
+        trust_index=cfg.data.trust_index,
         max_pixels=cfg.data.max_pixels,
         http_timeout=cfg.data.http_timeout,
+        http_min_rate=cfg.data.http_min_rate,
     )
 
 
