@@ -5,6 +5,7 @@ import functools
 import http.server
 import os
 import struct
+import tarfile
 import threading
 import zlib
 
@@ -131,3 +132,190 @@ def test_decompression_bomb_is_a_corrupt_sample_not_an_allocation(tmp_path):
     assert keys == ["fine"] and bad == [1, 0]
     with pytest.raises(DataError, match=r"'bomb': .*(100000x100000 pixels exceeds max_pixels|decompression bomb)"):
         list(make_eval_loader([shardspec.Shard(str(path), 2)], 0, 1, cfg(strict=True)))
+
+
+# ---------------------------------------------------------------- one bad sample never ends a run
+
+
+def _png(mode: str = "RGB", size: int = 32, seed: int = 0) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "LA": 2}.get(mode, 1)
+    pixels = rng.integers(0, 256, (size, size, channels) if channels > 1 else (size, size), dtype=np.uint8)
+    image = Image.fromarray(pixels.squeeze(), "L" if mode == "P" else mode)
+    if mode == "P":
+        image = image.quantize(16)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _flip_idat_byte(png: bytes) -> bytes:
+    """One byte of the compressed image data flipped, the chunk's CRC made right again: only the
+    zlib check notices (libpng: "IDAT: incorrect data check")."""
+    raw = bytearray(png)
+    at = raw.index(b"IDAT")
+    length = struct.unpack(">I", raw[at - 4 : at])[0]
+    raw[at + 4 + length // 2] ^= 0xFF
+    raw[at + 4 + length : at + 8 + length] = struct.pack(">I", zlib.crc32(bytes(raw[at : at + 4 + length])))
+    return bytes(raw)
+
+
+def _shard(path, samples) -> str:
+    import webdataset as wds
+
+    with wds.TarWriter(str(path)) as w:
+        for sample in samples:
+            w.write(sample)
+    return str(path)
+
+
+_READ_IN_A_CHILD = """
+import sys
+from wdsdist import shardspec
+from wdsdist.pipeline import LoaderConfig, make_eval_loader
+cfg = LoaderConfig(batch_size=2, workers=int(sys.argv[2]), mode="epoch", image_size=8, with_keys=True,
+                   shuffle_buffer=0, image_key="jpg;png")
+keys, bad = [], 0
+for batch in make_eval_loader([shardspec.Shard(sys.argv[1], 4)], 0, 1, cfg):
+    keys += batch["key"]
+    bad += int(batch["bad"][:, 0].sum())
+print("read", sorted(keys), bad)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_png_with_a_flipped_byte_is_a_skipped_sample_not_a_crash(tmp_path, workers):
+    # torchvision's libpng decode segfaults on this file: read in a child, so a crash fails the test.
+    from tests.conftest import run_script
+
+    samples = [{"__key__": f"k{i}", "jpg": jpeg(i)[0], "cls": "1"} for i in range(3)]
+    samples.insert(1, {"__key__": "broken", "png": _flip_idat_byte(_png()), "cls": "1"})
+    shard = _shard(tmp_path / "png.tar", samples)
+    proc = run_script("-c", _READ_IN_A_CHILD, shard, str(workers), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "read ['k0', 'k1', 'k2'] 1" in proc.stdout
+    assert "png.tar: sample 'broken': cannot decode image" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "P", "RGBA", "LA"])
+def test_pngs_decode_to_the_pixels_torchvision_gave(mode):
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    from wdsdist.pipeline import _decode_other
+
+    data = _png(mode, size=24, seed=3)
+    ours = _decode_other(data, "w", 10**9)
+    theirs = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    assert ours.dtype == torch.uint8 and ours.shape == (3, 24, 24) and ours.is_contiguous()
+    assert torch.equal(ours, theirs)
+
+
+def test_a_16_bit_png_keeps_its_high_byte():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from wdsdist.pipeline import _decode_other
+
+    grey = np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257
+    buf = io.BytesIO()
+    Image.fromarray(grey).save(buf, format="PNG")
+    ours = _decode_other(buf.getvalue(), "w", 10**9)
+    assert ours.tolist() == [(grey >> 8).tolist()] * 3
+
+
+def _gif(width: int, height: int, frames: int) -> bytes:
+    """A GIF with a width x height canvas and ``frames`` frames of one pixel each (the issue's
+    940-byte GIF is _gif(2000, 2000, 40))."""
+    out = bytearray(b"GIF89a" + struct.pack("<HHBBB", width, height, 0xF0, 0, 0) + bytes([0, 0, 0, 255, 255, 255]))
+    for i in range(frames):
+        out += b"\x21\xf9\x04\x04\x0a\x00\x00\x00"  # graphic control: 100 ms
+        out += b"\x2c" + struct.pack("<HHHHB", i % width, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00"
+    return bytes(out + b"\x3b")
+
+
+def test_an_animation_counts_its_frames_in_the_pixel_budget_and_gives_its_first_frame(tmp_path):
+    import io
+
+    from PIL import Image
+
+    # Within the budget: the first frame, as one RGB image.
+    colours = [(200, 10, 10), (10, 200, 10), (10, 10, 200)]
+    buf = io.BytesIO()
+    frames = [Image.new("RGB", (16, 16), c) for c in colours]
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    samples = [
+        {"__key__": "anim", "gif": buf.getvalue(), "cls": "1"},
+        {"__key__": "many", "gif": _gif(100, 100, 40), "cls": "2"},  # 100x100 x 40 frames > 100000 pixels
+        *({"__key__": f"k{i}", "jpg": jpeg(i)[0], "cls": "3"} for i in range(3)),
+    ]
+    shard = [shardspec.Shard(_shard(tmp_path / "gif.tar", samples), 5)]
+    loader = make_eval_loader(shard, 0, 1, cfg(image_key="jpg;gif", max_pixels=100_000))
+    batches = list(loader)
+    keys = [k for b in batches for k in b["key"]]
+    assert keys == ["anim", "k0", "k1", "k2"]
+    first = batches[0]["image"][0]
+    assert first.shape == (3, 8, 8) and first[:, 0, 0].tolist() == list(colours[0])
+    assert sum(int(b["bad"][:, 0].sum()) for b in batches) == 1
+    with pytest.raises(DataError, match=r"'many': image of 100x100 pixels x 40 frames exceeds max_pixels=100000"):
+        list(make_eval_loader(shard, 0, 1, cfg(image_key="jpg;gif", max_pixels=100_000, strict=True)))
+
+
+def test_an_oversized_member_is_a_skipped_sample_and_the_next_ones_follow(tmp_path):
+    samples = [
+        {"__key__": "k0", "jpg": jpeg(0)[0], "cls": "1"},
+        {"__key__": "huge", "jpg": b"\xff\xd8\xff" + bytes(10_000), "cls": "1"},
+        *({"__key__": f"k{i}", "jpg": jpeg(i)[0], "cls": "1"} for i in (1, 2)),
+    ]
+    shard = [shardspec.Shard(_shard(tmp_path / "big.tar", samples), 4)]
+    keys, bad = keys_and_bad(make_eval_loader(shard, 0, 1, cfg(max_member_bytes=8192)))
+    assert keys == ["k0", "k1", "k2"] and bad == [1, 0]
+    with pytest.raises(DataError, match=r"big.tar: sample 'huge': image of 10003 bytes exceeds max_member_bytes=8192"):
+        list(make_eval_loader(shard, 0, 1, cfg(max_member_bytes=8192, strict=True)))
+
+
+def test_a_negative_member_size_skips_the_rest_of_its_shard_only(three_shards, tmp_path):
+    from tests.test_tarread import pax_record, raw_member
+
+    members = [raw_member(f"e{i}.{ext}", data) for i in range(4) for ext, data in (("jpg", jpeg(i)[0]), ("cls", b"1"))]
+    evil = raw_member("././@PaxHeader", pax_record("size", "-1"), tarfile.XHDTYPE) + raw_member("evil.jpg", b"")
+    (tmp_path / "evil.tar").write_bytes(b"".join(members) + evil + bytes(1 << 20))
+    # In this order the epoch's shuffle reads the bad shard first: its count rides on a later sample.
+    shards = [
+        shardspec.Shard(str(three_shards.parent / "tiny-000000.tar"), 6),
+        shardspec.Shard(str(tmp_path / "evil.tar"), 5),
+    ]
+    keys, bad = keys_and_bad(make_eval_loader(shards, 0, 1, cfg()))
+    # The good shard whole, the samples before the bad header (but the last: its group never closed).
+    assert sorted(keys) == ["e0", "e1", "e2"] + [f"s{i:07d}" for i in range(6)]
+    assert bad == [0, 1]
+    with pytest.raises(DataError, match=r"evil.tar: cannot read shard: ReadError: evil.jpg: negative size -1"):
+        list(make_eval_loader(shards, 0, 1, cfg(strict=True)))
+
+
+def test_a_label_outside_num_classes_is_a_skipped_sample(tmp_path):
+    samples = [{"__key__": f"k{i}", "jpg": jpeg(i)[0], "cls": str(label)} for i, label in enumerate([0, 10, 9, -1, 3])]
+    shard = [shardspec.Shard(_shard(tmp_path / "labels.tar", samples), 5)]
+    keys, bad = keys_and_bad(make_eval_loader(shard, 0, 1, cfg(num_classes=10)))
+    assert keys == ["k0", "k2", "k4"] and bad == [2, 0]
+    with pytest.raises(DataError, match=r"labels.tar: sample 'k1': label 10 is outside 0..9 \(num_classes=10\)"):
+        list(make_eval_loader(shard, 0, 1, cfg(num_classes=10, strict=True)))
+
+
+def test_a_bad_shard_read_on_every_pass_is_named_in_each_batch_that_counts_it(three_shards):
+    folder = three_shards.parent
+    (folder / "tiny-000002.tar").write_bytes(b"not a tar" * 100)
+    bad_url = str(folder / "tiny-000002.tar")
+    loader = make_loader(str(three_shards), 0, 1, cfg(mode="repeat", with_keys=False))
+    reads, named = 0, []
+    for _, batch in zip(range(12), loader, strict=False):  # 12 batches of 4: 4 passes over 12 good samples
+        reads += int(batch["bad"][:, 1].sum())
+        named += batch["bad_shards"]
+    assert reads >= 3 and named == [bad_url] * reads

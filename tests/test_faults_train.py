@@ -165,6 +165,52 @@ def test_bad_data_in_strict_mode_stops_the_job_naming_the_shard(shards, bad_shar
     assert any(name in errors[0] for name in bad_shards["names"][1::2]), errors[0]
 
 
+@pytest.fixture(scope="module")
+def label_and_garbage_shards(tmp_path_factory) -> str:
+    """x-000000..x-000004: two good shards, one with a label outside num_classes=10 (key
+    'wrong007'), two of garbage bytes."""
+    root = tmp_path_factory.mktemp("labels")
+    write_tiny_shards(root, [16, 16, 16, 1, 1], "x", size=32)
+    import webdataset as wds
+
+    with wds.TarWriter(str(root / "x-000001.tar")) as w:
+        for i in range(16):
+            w.write({"__key__": f"wrong{i:03d}", "jpg": jpeg(300 + i, 32)[0], "cls": "10" if i == 7 else str(i % 10)})
+    for i in (3, 4):
+        (root / f"x-{i:06d}.tar").write_bytes(os.urandom(3000))
+    return f'"{root}/x-{{000000..000004}}.tar"'  # quoted for Hydra
+
+
+def test_a_bad_label_is_a_skipped_sample_and_bad_shards_count_once_however_often_read(
+    shards, label_and_garbage_shards, tmp_path
+):
+    # Repeat mode, 47 good samples a pass: 20 steps of 8 read every shard 3 or 4 times.
+    run = tmp_path / "run"
+    proc = run_script("train.py", *args(shards, run, "trainer.steps=20", train_spec=label_and_garbage_shards))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["skipped_shards"] == 2  # x-000003 and x-000004, not one per pass
+    assert summary["skipped_shard_reads"] >= 6 and summary["skipped_samples"] >= 3  # 'wrong007', once a pass
+    assert "x-000001.tar: sample 'wrong007': label 10 is outside 0..9 (num_classes=10)" in proc.stderr
+    done = proc.stdout.strip().splitlines()[-1]
+    reads = summary["skipped_shard_reads"]
+    assert f"skipped {summary['skipped_samples']} samples and 2 shards ({reads} failed reads of them)" in done
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    assert events.Scalars("data/bad_shards")[-1].value == 2
+    assert events.Scalars("data/bad_shard_reads")[-1].value == reads
+
+
+def test_a_bad_label_in_strict_mode_is_one_line_naming_the_shard_and_key(shards, label_and_garbage_shards, tmp_path):
+    spec = label_and_garbage_shards.replace("000004", "000002")  # the good and the bad-label shards
+    proc = run_script("train.py", *args(shards, tmp_path / "run", "data.strict=true", train_spec=spec))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert re.fullmatch(
+        r"error: .*/x-000001\.tar: sample 'wrong007': label 10 is outside 0\.\.9 \(num_classes=10\)", line
+    ), line
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

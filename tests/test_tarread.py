@@ -1,13 +1,15 @@
 """The fast tar reader gives exactly WebDataset's samples, in every tar format, and fails as tarfile does."""
 
+import bz2
 import gzip
 import io
+import lzma
 import tarfile
 
 import pytest
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from wdsdist.tarread import tar_samples
+from wdsdist.tarread import Oversized, tar_samples
 
 LONG = "d" * 60 + "/" + "e" * 70  # over ustar's 100-character name field
 
@@ -71,9 +73,10 @@ def test_unwanted_members_are_listed_but_not_read():
     assert ours[2]["jpg"] == b"L" * 512
 
 
-def test_compressed_shards_go_through_tarfile():
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])
+def test_compressed_shards_read_the_same(compress):
     raw = make_tar(tarfile.GNU_FORMAT, MEMBERS)
-    assert list(tar_samples(io.BytesIO(gzip.compress(raw)), "u")) == reference(raw)
+    assert list(tar_samples(io.BytesIO(compress(raw)), "u")) == reference(raw)
 
 
 class Trickle(io.RawIOBase):
@@ -141,3 +144,82 @@ def test_a_signed_checksum_is_accepted_as_tarfile_does():
     signed = sum(b - 256 if b > 127 else b for b in header[:148] + header[156:]) + 256
     raw[second + 148 : second + 156] = b"%06o\0 " % signed
     assert [s["__key__"] for s in tar_samples(io.BytesIO(bytes(raw)), "u")] == ["x", "y"]
+
+
+# ---------------------------------------------------------------- sizes from untrusted headers
+
+
+def raw_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = len(data), kind
+    return info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % 512)
+
+
+def pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+def test_a_negative_pax_size_fails_the_shard_instead_of_reading_the_stream_to_its_end():
+    good = raw_member("a.jpg", b"J") + raw_member("a.cls", b"1") + raw_member("b.jpg", b"K")
+    evil = raw_member("././@PaxHeader", pax_record("size", "-1"), tarfile.XHDTYPE) + raw_member("b.cls", b"")
+    stream = Trickle(good + evil + raw_member("c.jpg", b"x" * 5000) + b"\0" * 1024)
+    samples = tar_samples(stream, "u")
+    assert next(samples) == {"__key__": "a", "__url__": "u", "jpg": b"J", "cls": b"1"}
+    with pytest.raises(tarfile.ReadError, match="b.cls: negative size -1"):
+        next(samples)
+    assert stream.data.tell() < len(good) + len(evil) + 512  # it stopped there
+    garbled = raw_member("././@PaxHeader", pax_record("size", "12x"), tarfile.XHDTYPE) + raw_member("b.jpg", b"")
+    with pytest.raises(tarfile.ReadError, match="b.jpg: invalid size '12x'"):
+        list(tar_samples(io.BytesIO(garbled), "u"))
+
+
+def test_a_negative_base256_size_fails_the_shard():
+    raw = bytearray(make_tar(tarfile.GNU_FORMAT, [("x.jpg", b"x"), ("x.cls", b"1")]))
+    raw[124:136] = b"\xff" * 12  # base-256 for -1, as tarfile reads it
+    raw[148:156] = b"%06o\0 " % (sum(raw[:148]) + 256 + sum(raw[156:512]))
+    with pytest.raises(tarfile.ReadError, match="negative size -1"):
+        list(tar_samples(io.BytesIO(bytes(raw)), "u"))
+
+
+class Recording(Trickle):
+    """A pipe-like stream that remembers the largest read asked of it."""
+
+    largest = 0
+
+    def read(self, n=-1):
+        self.largest = max(self.largest, n if n >= 0 else 1 << 62)
+        return self.data.read(n)
+
+
+BIG = 3 << 20
+OVERSIZED = [("k1.jpg", b"B" * BIG), ("k1.cls", b"1"), ("k2.jpg", b"J"), ("k2.cls", b"2"), ("k3.jpg", b"K")]
+OVERSIZED += [("k3.cls", b"3")]
+
+
+def test_a_member_over_the_limit_is_skipped_unread_and_the_next_samples_follow():
+    raw = make_tar(tarfile.GNU_FORMAT, OVERSIZED)
+    stream = Recording(raw)
+    samples = list(tar_samples(stream, "u", frozenset({"jpg", "cls"}), max_member=1 << 20))
+    assert [s["__key__"] for s in samples] == ["k1", "k2", "k3"]
+    assert samples[0]["jpg"] == Oversized(BIG) and samples[0]["cls"] == b"1"
+    assert samples[1]["jpg"] == b"J" and samples[2]["cls"] == b"3"
+    assert stream.largest <= 1 << 20  # dropped a chunk at a time, never read whole
+    # Within the limit, or without one, it is read as before.
+    assert list(tar_samples(io.BytesIO(raw), "u", max_member=BIG))[0]["jpg"] == b"B" * BIG
+
+
+def test_a_compressed_member_over_the_limit_is_skipped_too():
+    raw = make_tar(tarfile.GNU_FORMAT, OVERSIZED)
+    samples = list(tar_samples(io.BytesIO(gzip.compress(raw)), "u", max_member=1 << 20))
+    assert [s["__key__"] for s in samples] == ["k1", "k2", "k3"]
+    assert samples[0]["jpg"] == Oversized(BIG) and samples[1]["jpg"] == b"J"
+
+
+def test_an_extended_header_over_the_limit_fails_the_shard():
+    raw = raw_member("././@PaxHeader", pax_record("comment", "c" * 5000), tarfile.XHDTYPE) + raw_member("b.jpg", b"")
+    with pytest.raises(tarfile.ReadError, match="extended header of 5014 bytes exceeds max_member_bytes=4096"):
+        list(tar_samples(io.BytesIO(raw), "u", max_member=4096))

@@ -79,7 +79,8 @@ class DataConfig:
     strict: bool = False  # a bad or missing shard or sample stops training (default: skipped, warned, counted)
     allow_pipe: bool = False  # accept pipe: shard URLs (they run a shell command)
     trust_index: bool = False  # an index may name absolute paths, '..', other servers (and pipe: with allow_pipe)
-    max_pixels: int = 89_478_485  # an image declaring more pixels is a corrupt sample (decompression bomb)
+    max_pixels: int = 89_478_485  # an image declaring more pixels (x frames) is a corrupt sample (decompression bomb)
+    max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
     http_min_rate: int = DEFAULT_MIN_RATE  # bytes/s an http(s) server must send per http_timeout spent waiting; 0: off
 
@@ -172,6 +173,7 @@ def check(cfg: DictConfig) -> None:
     need(ld.prefetch >= 1, "loader.prefetch", "must be >= 1")
     need(t.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
     need(d.max_pixels >= 1, "data.max_pixels", "must be >= 1")
+    need(d.max_member_bytes >= 1, "data.max_member_bytes", "must be >= 1")
     need(d.http_timeout > 0, "data.http_timeout", "must be > 0 (seconds)")
     need(d.http_min_rate >= 0, "data.http_min_rate", "must be >= 0 (bytes/s; 0: no rate check)")
     need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")

@@ -48,7 +48,7 @@ from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder
 from wdsdist.shardspec import Shard
 from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
-from wdsdist.tarread import tar_samples
+from wdsdist.tarread import Oversized, tar_samples
 
 MODES = ("repeat", "epoch", "resampled")
 
@@ -88,7 +88,9 @@ class LoaderConfig:
     strict: bool = False  # a bad shard or sample is an error (default: skipped, warned and counted)
     allow_pipe: bool = False  # accept pipe: URLs (they run a shell command)
     trust_index: bool = False  # an index may name shards outside its own place (shardspec.Access)
-    max_pixels: int = 89_478_485  # larger images are rejected as corrupt (decompression bombs)
+    max_pixels: int = 89_478_485  # larger images (width x height x frames) are corrupt (decompression bombs)
+    max_member_bytes: int = 64 << 20  # larger tar members are corrupt samples, skipped unread
+    num_classes: int | None = None  # labels outside [0, num_classes) are corrupt samples; None: unchecked
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
     http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s per http_timeout of waiting (httpopen); 0: off
 
@@ -220,6 +222,42 @@ def _transform(cfg: LoaderConfig) -> v2.Transform:
     return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
 
 
+# Not JPEG: decoded by PIL, whose decoders raise on damaged data where torchvision's libpng path
+# crashes the process (a PNG with one flipped byte in its image data: "libpng error: IDAT:
+# incorrect data check", then a segmentation fault). Only the formats torchvision read: PIL
+# also opens formats whose loading runs a program (EPS runs Ghostscript).
+_PIL_FORMATS = ("PNG", "GIF", "WEBP")
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I")
+
+
+def _decode_other(data: bytes, where: str, max_pixels: int) -> torch.Tensor:
+    """A PNG, GIF or WebP as a uint8 RGB CHW tensor, by PIL; an animation gives its first frame.
+
+    The pixel budget counts every frame, as declared by the file (the frame count of a GIF is
+    found by walking its blocks, none decoded): torchvision decoded all of them, and a 940-byte
+    GIF with a 2000x2000 canvas and 40 one-pixel frames then cost 470 MB.
+    """
+    try:
+        with Image.open(io.BytesIO(data), formats=_PIL_FORMATS) as img:
+            frames = getattr(img, "n_frames", 1)
+            width, height = img.size
+            if width * height * frames > max_pixels:
+                what = f"{width}x{height} pixels" + (f" x {frames} frames" if frames > 1 else "")
+                raise DataError(f"{where}: image of {what} exceeds max_pixels={max_pixels}")
+            img.seek(0)
+            if img.mode in _SIXTEEN_BIT:  # 16-bit grey: keep the high byte (convert() would clip)
+                img = img.convert("I").point(lambda v: v * (1 / 256))
+            rgb = img.convert("RGB")
+            pixels = torch.frombuffer(rgb.tobytes(), dtype=torch.uint8)
+    except DataError:
+        raise
+    except Image.UnidentifiedImageError:
+        raise DataError(f"{where}: cannot decode image: not a JPEG, PNG, GIF or WebP image") from None
+    except Exception as exc:  # untrusted bytes: whatever PIL raises, the sample is bad, not the run
+        raise DataError(f"{where}: cannot decode image: {exc.__class__.__name__}: {exc}") from None
+    return pixels.view(rgb.height, rgb.width, 3).permute(2, 0, 1).contiguous()
+
+
 def decode_sample(
     sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -231,7 +269,19 @@ def decode_sample(
         missing = cfg.image_key if data is None else cfg.label_key
         present = sorted(k for k in sample if not k.startswith("__"))
         raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
+    for what, value in (("image", data), ("label", label)):
+        if isinstance(value, Oversized):
+            raise DataError(f"{where}: {what} of {value.size} bytes exceeds max_member_bytes={cfg.max_member_bytes}")
+    # The label first: a bad one costs no decode.
+    try:
+        value = int(label.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise DataError(f"{where}: label {label[:20]!r} is not an integer") from None
+    if cfg.num_classes is not None and not 0 <= value < cfg.num_classes:
+        raise DataError(f"{where}: label {value} is outside 0..{cfg.num_classes - 1} (num_classes={cfg.num_classes})")
     data = bytes(data)
+    if not data.startswith(jpegcrop.JPEG_MAGIC):
+        return transform(_decode_other(data, where, cfg.max_pixels)), value
 
     def whole() -> torch.Tensor:
         try:
@@ -247,7 +297,7 @@ def decode_sample(
     try:
         # The header alone gives the size: refuse a decompression bomb before allocating it.
         if size is None:
-            with Image.open(io.BytesIO(data)) as header:
+            with Image.open(io.BytesIO(data), formats=("JPEG",)) as header:
                 size = header.size
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise DataError(f"{where}: cannot decode image: {exc}") from None
@@ -258,10 +308,6 @@ def decode_sample(
         image = crop(data, width, height, whole)
     else:
         image = transform(whole())
-    try:
-        value = int(label.decode("utf-8").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise DataError(f"{where}: label {label[:20]!r} is not an integer") from None
     return image, value
 
 
@@ -282,6 +328,13 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     return batch
 
 
+def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str]]:
+    """Rows' skip records (samples, shard reads, then the URL of each shard read that failed)
+    -> a [b, 2] count tensor and the failed URLs: a shard that fails on every pass is one bad
+    shard, read many times."""
+    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), [url for b in bad for url in b[2:]]
+
+
 def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_memory: bool) -> Iterator[dict]:
     """In the main process: each batch's images as its own tensor, labels and ids as tensors."""
     for batch in batches:
@@ -289,7 +342,8 @@ def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_me
             batch["image"] = shared.claim(batch.pop("shared"), pin_memory)  # type: ignore[union-attr]
         batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
         batch["id"] = torch.tensor(batch["id"], dtype=torch.int64)
-        batch["bad"] = torch.tensor(batch["bad"], dtype=torch.int64)  # [b, 2]: samples, shards skipped before each
+        # bad: [b, 2], the samples and shard reads skipped before each row; bad_shards: their URLs
+        batch["bad"], batch["bad_shards"] = bad_counts(batch["bad"])
         yield batch
 
 
@@ -313,8 +367,8 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "image": plain_stack([r["image"] for r in rows], pin_memory),
         "label": torch.tensor([r["label"] for r in rows], dtype=torch.int64),
         "id": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
-        "bad": torch.tensor([r["bad"] for r in rows], dtype=torch.int64),
     }
+    batch["bad"], batch["bad_shards"] = bad_counts([r["bad"] for r in rows])
     if rows[0]["key"] is not None:
         batch["key"] = [r["key"] for r in rows]
     return batch
@@ -412,15 +466,15 @@ class ShardStream(IterableDataset):
             yield from samples
 
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
-        """Raw samples of these shards; a shard that fails is skipped and counted in
-        ``bad[1]`` (or raises DataError in strict mode)."""
+        """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
+        its URL appended to ``bad`` (or raises DataError in strict mode)."""
         for url in urls:
             if self.cfg.trace:
                 print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
             try:
                 stream = open_shard(url, self.cfg)
                 try:
-                    yield from tar_samples(stream, url, self.cfg.wanted_suffixes)
+                    yield from tar_samples(stream, url, self.cfg.wanted_suffixes, self.cfg.max_member_bytes)
                 finally:
                     stream.close()
             except Exception as exc:
@@ -431,6 +485,7 @@ class ShardStream(IterableDataset):
                     raise error from None
                 warn_skip(error)
                 bad[1] += 1
+                bad.append(url)
             if self.cfg.trace:
                 print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
 
@@ -451,7 +506,7 @@ class ShardStream(IterableDataset):
             # Re-batched ranks keep every remaining sample so the epoch's count still holds.
             partial = partial or cfg.rebatch
             self.resume = None
-        bad = [0, 0]  # samples and shards skipped since the last row
+        bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
         transform = _transform(cfg)
         crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
         shared = self.shared if info else None
@@ -477,7 +532,7 @@ class ShardStream(IterableDataset):
                         continue
                     key = sample["__key__"] if cfg.with_keys else None
                     yield image, label, (epoch, worker, seq), tuple(bad), key
-                    bad[0] = bad[1] = 0
+                    bad[:] = [0, 0]
                     produced += 1
                 if not produced and start == 0 and not skip:
                     # Never a silent empty rank: every shard of this worker failed.

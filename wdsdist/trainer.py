@@ -148,6 +148,8 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
         allow_pipe=cfg.data.allow_pipe,
         trust_index=cfg.data.trust_index,
         max_pixels=cfg.data.max_pixels,
+        max_member_bytes=cfg.data.max_member_bytes,
+        num_classes=cfg.data.num_classes,
         http_timeout=cfg.data.http_timeout,
         http_min_rate=cfg.data.http_min_rate,
     )
@@ -495,9 +497,7 @@ def evaluate(model: nn.Module, loader, d: Dist, to_input, num_classes: int, auto
     with torch.no_grad():
         for batch in loader:
             beat("eval")
-            labels = batch["label"]
-            _check_labels(labels, num_classes)
-            labels = labels.to(d.device, non_blocking=True)
+            labels = batch["label"].to(d.device, non_blocking=True)
             with autocast():
                 logits = model(to_input(batch["image"]))
             loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
@@ -515,12 +515,6 @@ def evaluate(model: nn.Module, loader, d: Dist, to_input, num_classes: int, auto
         "samples": n,
         "class_samples": total.tolist(),
     }
-
-
-def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
-    if len(labels) and (int(labels.max()) >= num_classes or int(labels.min()) < 0):
-        bad = int(labels.max()) if int(labels.max()) >= num_classes else int(labels.min())
-        raise UserError(f"label {bad} is outside data.num_classes={num_classes}: set data.num_classes")
 
 
 def params_fingerprint(model: nn.Module) -> str:
@@ -628,6 +622,11 @@ class Window:
 
 
 # ---------------------------------------------------------------- the run
+
+
+def _skipped_text(samples: int, shards: int, reads: int, sep: str) -> str:
+    text = f"{samples} samples{sep} {shards} shards"
+    return text + (f" ({reads} failed reads of them)" if reads != shards else "")
 
 
 def _fmt_time(seconds: float) -> str:
@@ -789,8 +788,11 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
     step, saved_at, last_ckpt = start, None, None
     win = Window.new(d.device)
     train_time, train_samples, train_wait = 0.0, 0, 0.0
-    skipped = torch.zeros(2, dtype=torch.int64)  # this rank's bad samples and shards, whole run
+    skipped = torch.zeros(2, dtype=torch.int64)  # this rank's bad samples and failed shard reads, whole run
     skipped_logged = [0, 0]  # all ranks' totals, as of the last log line
+    # A bad shard fails on every pass over it (repeat mode): its URL, not its reads, counts it once.
+    failed_shards: set[str] = set()  # this rank's, since the last log line
+    failed_logged: set[str] = set()  # all ranks', as of the last log line
     images_logged = False
     ended_without_step = False
     stop_all = False
@@ -830,11 +832,11 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
                 break
             continue
         ended_without_step = False
-        labels = batch["label"]
-        _check_labels(labels, cfg.data.num_classes)
+        labels = batch["label"]  # in [0, num_classes): the loader skips (or in strict mode stops at) others
         bad = batch["bad"].sum(0) if "bad" in batch else torch.zeros(2, dtype=torch.int64)
         skipped += bad
         win.bad += bad
+        failed_shards.update(batch.get("bad_shards", ()))
         if not images_logged:
             report.images("train/batch", batch["image"], step)
             images_logged = True
@@ -862,8 +864,11 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
             extra = [win.wait, elapsed, *win.bad.tolist()]
             stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float64, device=d.device)])
             distributed.all_reduce_sum(stats)
-            loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_shards = stats.tolist()
-            skipped_logged = [skipped_logged[0] + int(bad_samples), skipped_logged[1] + int(bad_shards)]
+            loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads = stats.tolist()
+            skipped_logged = [skipped_logged[0] + int(bad_samples), skipped_logged[1] + int(bad_reads)]
+            if bad_reads:  # a shard failed on some rank: the one case worth gathering names for
+                failed_logged.update(*distributed.all_gather_object(sorted(failed_shards)))
+                failed_shards = set()
             wall = elapsed_sum / d.world
             values = {
                 "train/loss": loss_sum / samples,
@@ -871,8 +876,11 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
                 "train/lr": sched.get_last_lr()[0],
                 "perf/samples_per_s": samples / wall,
                 "perf/data_wait": wait_sum / elapsed_sum,
-                "data/bad_samples": skipped_logged[0],  # all ranks, since the start of this run
-                "data/bad_shards": skipped_logged[1],
+                # All ranks, since the start of this run: samples skipped, distinct shards that
+                # failed, and failed reads of them (a bad shard fails on every pass over it).
+                "data/bad_samples": skipped_logged[0],
+                "data/bad_shards": len(failed_logged),
+                "data/bad_shard_reads": skipped_logged[1],
             }
             report.scalars(step, values)
             report.progress(
@@ -880,7 +888,7 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
                 f"loss {values['train/loss']:.4f} acc {100 * values['train/acc']:.1f}% lr {values['train/lr']:.4g} "
                 f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
                 + (
-                    f" skipped {skipped_logged[0]} samples, {skipped_logged[1]} shards"
+                    f" skipped {_skipped_text(skipped_logged[0], len(failed_logged), skipped_logged[1], ',')}"
                     if skipped_logged[0] or skipped_logged[1]
                     else ""
                 ),
@@ -915,6 +923,7 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
     # Every rank reports its own step and weights: they must agree after DDP.
     fingerprints = distributed.all_gather_object((step, params_fingerprint(model)))
     bad_total = distributed.all_reduce_sum(skipped.to(d.device)).tolist()
+    failed_logged.update(*distributed.all_gather_object(sorted(failed_shards)))
     summary = {
         "run_dir": run_dir,
         "world": d.world,
@@ -928,7 +937,8 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
         "val_samples": last_eval["samples"] if last_eval else None,
         "val_class_samples": last_eval["class_samples"] if last_eval else None,
         "skipped_samples": bad_total[0],
-        "skipped_shards": bad_total[1],
+        "skipped_shards": len(failed_logged),  # distinct shards
+        "skipped_shard_reads": bad_total[1],  # failed reads of them (every pass over a bad shard fails)
         "rank_steps": [s for s, _ in fingerprints],
         "rank_params": [f for _, f in fingerprints],
         "checkpoint": last_ckpt,
@@ -958,7 +968,7 @@ def _train(cfg: DictConfig, d: Dist, stop: faults.StopRequest, watchdog: faults.
     if last_eval:
         parts.append(f"val top-1 {100 * last_eval['top1']:.2f}% ({last_eval['samples']} samples)")
     if bad_total[0] or bad_total[1]:
-        parts.append(f"skipped {bad_total[0]} samples and {bad_total[1]} shards")
+        parts.append(f"skipped {_skipped_text(bad_total[0], len(failed_logged), bad_total[1], ' and')}")
     parts.append(f"run dir {run_dir}")
     report.line(", ".join(parts))
     report.close()
