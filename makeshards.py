@@ -37,18 +37,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", type=integer(1), default=64, help="synthetic image size in pixels (default: 64)")
     p.add_argument("--quality", type=integer(1), default=90, help="synthetic JPEG quality (default: 90)")
     p.add_argument("--output", help="with --index: the index file (default: beside the first shard)")
+    p.add_argument("--allow-pipe", action="store_true", help="with --index: open pipe: shards (a shell command)")
     return p.parse_args(argv)
 
 
-def index_only(spec: str, output: str | None) -> dict:
-    shards = shardspec.expand(spec)
-    counts = [(s.url, count_samples(s.url)) for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0)]
+def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
+    access = shardspec.Access(allow_pipe=allow_pipe)
+    shards = shardspec.expand(spec, access=access)
+    shardspec.refuse_pipes(shards, access)  # counting opens every shard
     first = shards[0].url
     name = re.sub(r"[-_.]?\d+$", "", os.path.basename(first).split(".")[0]) or "shards"
     if output is None:
         if shardspec.is_remote(first):
             raise UserError("--index of remote shards needs --output FILE")
         output = os.path.join(os.path.dirname(first), f"{name}.index.json")
+    if not os.path.isdir(os.path.dirname(output) or "."):
+        raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
+    counts = [(s.url, count_samples(s.url)) for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0)]
     desc = write_index(output, counts, name=name)
     outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
     if outside:
@@ -68,7 +73,7 @@ def main() -> int:
     elif args.output is not None:
         check_local_output(args.output, f"--output {args.output}")
     if args.index:
-        desc = index_only(args.index, args.output)
+        desc = index_only(args.index, args.output, args.allow_pipe)
         print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
         return 0
     common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed)

@@ -385,3 +385,25 @@ def test_train_writes_its_synthetic_set_once_and_rewrites_it_whole(tmp_path):
         index.name,
     ]
     assert len(read_all(index)) == 6
+
+
+def test_index_of_pipe_shards_runs_them_only_with_allow_pipe(tmp_path, tiny_shards):
+    index = tiny_shards([3, 2])
+    marker = tmp_path / "marker"
+    spec = f"pipe:touch {marker}; cat {index.parent}/tiny-{{000000..000001}}.tar"
+    out = tmp_path / "pipe.index.json"
+    proc = run_script("makeshards.py", "--index", spec, "--output", str(out))
+    assert proc.returncode == 2
+    assert "pipe: URLs are refused (allow_pipe is false)" in one_error_line(proc)
+    assert not marker.exists() and not out.exists()
+    proc = run_script("makeshards.py", "--index", spec, "--output", str(out), "--allow-pipe")
+    assert proc.returncode == 0, proc.stderr
+    assert marker.exists() and read_index(str(out))["nsamples"] == 5
+
+
+def test_index_output_in_a_missing_folder_is_one_line_before_counting(tmp_path, tiny_shards):
+    index = tiny_shards([3])
+    out = tmp_path / "nope" / "x.index.json"
+    proc = run_script("makeshards.py", "--index", f"{index.parent}/tiny-000000.tar", "--output", str(out))
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"error: --output {out}: no folder {out.parent} to write it in"

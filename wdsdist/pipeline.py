@@ -765,10 +765,7 @@ def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfi
         shards = list(spec)
     else:
         shards = shardspec.expand(spec, strict=cfg.strict, access=cfg.access)  # type: ignore[arg-type]
-    if not cfg.allow_pipe:
-        piped = [s.url for s in shards if s.url.startswith("pipe:")]
-        if piped:
-            raise UserError(f"{piped[0]}: pipe: URLs are refused (allow_pipe is false)")
+    shardspec.refuse_pipes(shards, cfg.access)
     return shards
 
 

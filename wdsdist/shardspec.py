@@ -213,6 +213,15 @@ def expand(spec: str | Sequence[str], strict: bool = True, access: Access | None
     return shards
 
 
+def refuse_pipes(shards: Sequence[Shard], access: Access) -> None:
+    """``pipe:`` runs a shell command: refused unless the user allowed it (``data.allow_pipe``,
+    ``--allow-pipe``). The one place this rule lives; callers that open shards call it (a plan
+    from an index's counts opens nothing)."""
+    piped = [s.url for s in shards if s.url.startswith("pipe:")]
+    if piped and not access.allow_pipe:
+        raise UserError(f"{piped[0]}: pipe: URLs are refused (allow_pipe is false)")
+
+
 def sample_counts(shards: Sequence[Shard]) -> list[int] | None:
     """Sample counts of all shards, or None when any is unknown."""
     counts = [s.nsamples for s in shards]

@@ -145,7 +145,7 @@ def spec_layout(
                 f"--plan needs sample counts and {first} has none: give an index JSON "
                 f"(makeshards.py --index), or describe the layout with --nshards and --samples-per-shard"
             )
-        _refuse_pipes(unknown, access)
+        shardspec.refuse_pipes(unknown, access)
         from wdsdist.index import count_samples  # imports torch: only when counting
 
         try:
@@ -153,14 +153,8 @@ def spec_layout(
         except UserError as exc:
             raise UserError(" ".join(str(exc).split())) from None  # tarfile's reasons span lines
     if need_files:
-        _refuse_pipes(shards, access)
+        shardspec.refuse_pipes(shards, access)
     return Layout(tuple(counts), spec, tuple(shards))
-
-
-def _refuse_pipes(shards: Sequence[Shard], access: Access) -> None:
-    piped = [s.url for s in shards if s.url.startswith("pipe:")]
-    if piped and not access.allow_pipe:
-        raise UserError(f"{piped[0]}: pipe: URLs are refused (they run a shell command; --allow-pipe allows them)")
 
 
 def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> Layout:
