@@ -41,6 +41,15 @@ def write_tiny_shards(outdir: Path, counts: list[int], prefix: str = "tiny", siz
     return index
 
 
+@pytest.fixture(autouse=True)
+def fresh_skip_warnings():
+    """The loader prints the first 20 skip warnings of a process: each test starts its own count,
+    since in-process loaders (workers=0) share pytest's process."""
+    from wdsdist import pipeline
+
+    pipeline._warned[0] = 0
+
+
 @pytest.fixture
 def tiny_shards(tmp_path):
     """A factory: tiny_shards([counts...]) -> index path."""
