@@ -167,6 +167,12 @@ def compose_config(overrides):
         return compose("train", overrides=overrides)
 
 
+@pytest.mark.parametrize("path", ["deploy/slurm.sbatch", "deploy/kubernetes.yaml"])
+def test_launch_files_say_how_to_name_the_network_interface(path):
+    text = (ROOT / path).read_text()
+    assert "GLOO_SOCKET_IFNAME" in text and "NCCL_SOCKET_IFNAME" in text and "127.0.1.1" in text
+
+
 @pytest.mark.parametrize("source", ["slurm", "kubernetes"])
 def test_launch_file_overrides_are_valid_config(source):
     script = torchrun_args_of(slurm_command() if source == "slurm" else kubernetes_command()[2])[1]
@@ -175,5 +181,7 @@ def test_launch_file_overrides_are_valid_config(source):
     cfg = compose_config(script[1:])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # every mandatory key is given
     assert cfg.data.train_shards and cfg.data.val_shards and cfg.trainer.resume == "auto"
+    # GPU nodes: never a silent fall back to training on the CPU (trainer.device=auto would).
+    assert cfg.trainer.device.value == "cuda"
     with pytest.raises(Exception, match="trainer.stepz"):
         compose_config([*script[1:], "trainer.stepz=1"])  # the check can fail

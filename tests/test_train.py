@@ -70,8 +70,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     return subprocess.run([*cmd, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -179,6 +179,28 @@ def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_p
     assert proc.stdout.count("done: 4 steps") == 1  # only rank 0 prints
     ckpt = load(run / "latest.pt")
     assert ckpt["world"] == 2 and [s["rank"] for s in ckpt["loader"]] == [0, 1]
+
+
+@pytest.mark.parametrize("nproc,mode", [(1, "repeat"), (2, "epoch")], ids=["world1-repeat", "world2-epoch"])
+def test_training_under_nccls_device_map_sends_no_cpu_tensor_through_the_default_group(shards, tmp_path, nproc, mode):
+    # No GPU here: "cuda:gloo" gives the default group NCCL's device map (CUDA tensors only), so
+    # every collective the trainer sends a CPU tensor or a pickled object through it fails, as
+    # it would on GPUs: "No backend type associated with device type cpu". The model stays on
+    # the CPU, so what it does on the device goes through the CPU group too. Repeat mode agrees
+    # on the stop flag a step ahead, epoch mode every step; world 2 adds DDP and BatchNorm's
+    # broadcast before evaluation.
+    run = tmp_path / "run"
+    extra = ["trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.workers=1", f"loader.mode={mode}"]
+    extra += ["trainer.epochs=1"] if mode == "epoch" else ["trainer.steps=3"]
+    proc = torchrun(nproc, *overrides(shards, run, *extra), env={"WDSDIST_TEST_BACKEND": "cuda:gloo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    steps = 12 // nproc if mode == "epoch" else 3  # 4 shards of 24 in batches of 8 over the ranks (1 worker each)
+    assert summary["rank_steps"] == [steps] * nproc
+    assert len(set(summary["rank_params"])) == 1
+    assert summary["val_samples"] == sum(VAL_COUNTS)
+    assert summary["val_class_samples"] == shards["val_classes"]
+    assert f"on {nproc} x cpu" in proc.stdout
 
 
 def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):

@@ -7,6 +7,7 @@ collectives below, which also work (as no-ops) in a plain one-process run withou
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,7 +45,8 @@ def under_torchrun() -> bool:
 def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
     """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun) and initialise the process group.
 
-    ``device``: auto (CUDA when available), cuda or cpu. LOCAL_RANK picks the GPU; the backend
+    ``device``: auto (CUDA when available; an error where an NVIDIA driver is loaded that this
+    torch build cannot use), cuda or cpu. LOCAL_RANK picks the GPU; the backend
     is nccl on CUDA and gloo on CPU, initialised from env:// (MASTER_ADDR/MASTER_PORT).
     ``timeout_s``: a collective waiting this long fails. Without torchrun's variables this is a
     one-process run with no process group.
@@ -55,20 +57,33 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     else:
         rank, world, local_rank = 0, 1, 0
+    driver = _read_driver_text()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if (device == "cuda" or (device == "auto" and driver is not None)) and not torch.cuda.is_available():
+        # With auto: a GPU node whose driver this torch build cannot use, where training on the
+        # CPU instead would show only as "on N x cpu" in the log.
+        why = cuda_unusable(driver, torch.version.cuda, torch.__version__)
+        _node_error(f"trainer.device={device}: {why}", local_rank)
     if use_cuda:
-        if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but CUDA is not available")
         if local_rank >= torch.cuda.device_count():
             raise UserError(
                 f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
                 f"use --nproc_per_node<={torch.cuda.device_count()}"
             )
+        unsupported = arch_unsupported(
+            torch.cuda.get_device_capability(local_rank), torch.cuda.get_arch_list(), torch.__version__
+        )
+        if unsupported:
+            _node_error(f"GPU {local_rank} ({torch.cuda.get_device_name(local_rank)}): {unsupported}", local_rank)
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
     if under_torchrun():
+        # Testing only: "cuda:gloo" gives the default group NCCL's device map on the CPU (gloo
+        # for CUDA tensors, nothing for CPU ones), so a CPU tensor sent through it fails as it
+        # would under NCCL (tests/test_train.py runs training so).
+        backend = os.environ.get("WDSDIST_TEST_BACKEND") or ("nccl" if use_cuda else "gloo")
         # The job's store (MASTER_ADDR:MASTER_PORT) outlives worker restarts under torchrun
         # (--max-restarts), and so do the addresses the last attempt's ranks left in it: each
         # attempt's process group keeps its keys under its own prefix, or a restarted rank
@@ -76,18 +91,111 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
         _store[0] = store
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            backend=backend,
             store=dist.PrefixStore(f"wdsdist/attempt_{restart_count()}/pg", store),
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
             device_id=dev if use_cuda else None,
         )
-        if use_cuda and world > 1:
-            # Small control values (stop flags, "I have a batch") go over gloo on the CPU, so
-            # agreeing on them every step never waits for the GPU's queue of work.
+        if backend != "gloo":
+            # NCCL moves CUDA tensors only: control values (stop flags, "I have a batch",
+            # pickled objects) and any other CPU tensor go over gloo, also with one rank, and
+            # agreeing on them never waits for the GPU's queue of work.
             _control[0] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return Dist(rank, world, local_rank, dev)
+
+
+def _node_error(message: str, local_rank: int) -> None:
+    """A fault of this node, the same in each of its processes: its local rank 0 says it once."""
+    if local_rank != 0:
+        raise SystemExit(2)
+    raise UserError(message)
+
+
+def _read_driver_text() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as f:
+            return f.read(4096)
+    except OSError:
+        return None
+
+
+# The oldest Linux driver each CUDA major release runs on (CUDA's minor version compatibility:
+# any 12.x build on a 12.0 driver); from NVIDIA's CUDA toolkit release notes, table 3.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+
+
+def driver_version(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's text ("... Kernel Module  535.104.05  ..."),
+    or None when the text has none."""
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text) or re.search(
+        r"\b(\d{3}\.\d+(?:\.\d+)?)\b", text
+    )
+    return found.group(1) if found else None
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+def cuda_unusable(driver_text: str | None, cuda: str | None, torch_version: str) -> str:
+    """Why this torch build does not see a GPU, from /proc/driver/nvidia/version's text (None:
+    no driver) and the CUDA version the build was made for (None: a CPU-only build)."""
+    fix = "or set trainer.device=cpu to train on the CPU"
+    if cuda is None:
+        return f"torch {torch_version} is a CPU-only build: install a CUDA build (see README: GPUs and drivers), {fix}"
+    if driver_text is None:
+        return f"CUDA is not available: no NVIDIA driver is loaded (/proc/driver/nvidia/version is missing); {fix}"
+    have = driver_version(driver_text)
+    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
+    if have is not None and need is not None and _numbers(have) < _numbers(need):
+        return (
+            f"the NVIDIA driver is {have} but torch {torch_version} (CUDA {cuda}) needs driver >= "
+            f"{need}: update the driver, install a torch build for an older CUDA (see README: GPUs and "
+            f"drivers), {fix}"
+        )
+    shown = have or "of unknown version"
+    return (
+        f"the NVIDIA driver {shown} is loaded but torch {torch_version} (CUDA {cuda}) sees no GPU "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; nvidia-smi shows the driver's "
+        f"view); {fix}"
+    )
+
+
+def arch_unsupported(capability: tuple[int, int], arch_list: list[str], torch_version: str) -> str | None:
+    """None when a GPU of compute ``capability`` runs this build's kernels (``arch_list``:
+    torch.cuda.get_arch_list()), else why not. A cubin (sm_XY) runs on XY and later minors of
+    its major (sm_XYa only on XY); PTX (compute_XY) is compiled for any later GPU."""
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, code = arch.partition("_")
+        digits = re.match(r"\d+", code)
+        if not digits:
+            continue
+        cc = int(digits.group(0))
+        exact = code[len(digits.group(0)) :] == "a"
+        if kind == "sm" and cc // 10 == major and (cc % 10 == minor if exact else cc % 10 <= minor):
+            return None
+        if kind == "compute" and cc <= 10 * major + minor:
+            return None
+    return (
+        f"compute capability {major}.{minor} is not among torch {torch_version}'s kernels "
+        f"({' '.join(arch_list) or 'none'}): install a torch build for this GPU (see README: GPUs and drivers)"
+    )
+
+
+def bf16_autocast(amp: bool, capability: tuple[int, int] | None) -> tuple[bool, str | None]:
+    """Whether to train in bf16 autocast (``capability``: the GPU's, None on the CPU) and a note
+    when trainer.amp is turned off: below compute capability 8.0 bf16 is emulated, slowly."""
+    if not amp or capability is None:
+        return False, None
+    if capability < (8, 0):
+        return False, (
+            f"note: trainer.amp: bf16 autocast off on this GPU (compute capability {capability[0]}.{capability[1]} "
+            f"< 8.0 has no bf16 units); training in float32"
+        )
+    return True, None
 
 
 _control: list[Any] = [None]  # the gloo group for control values; None: the default group
@@ -123,54 +231,124 @@ def first_value(key: str, proposal: str) -> str:
     return s.compare_set(f"wdsdist/{key}", "", proposal).decode()
 
 
+def control_group() -> Any:
+    """The group for CPU tensors and pickled objects: gloo's side group when the default backend
+    cannot move CPU tensors (NCCL), else None (the default group)."""
+    return _control[0]
+
+
+def group_for(device: torch.device) -> Any:
+    """The process group that can move tensors on ``device`` (for DDP's process_group too)."""
+    return None if device.type == "cuda" else _control[0]
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if _active():
+        dist.barrier(group=_control[0])
 
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control[0])
     return box[0]
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_control[0])
     return out
 
 
 def broadcast_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's values into ``tensor`` on every rank, in place; returns it."""
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast(tensor, src=0)
+    if _active():
+        dist.broadcast(tensor, src=0, group=group_for(tensor.device))
     return tensor
+
+
+def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values into each of ``tensors`` on every rank, in place: one broadcast per device
+    and dtype (BatchNorm's buffers: float statistics and int64 counters), not one per tensor."""
+    if not _active():
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for same in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        broadcast_tensor(flat)
+        for tensor, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
+            tensor.copy_(part.view_as(tensor))
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over ranks, in place; returns it."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group_for(tensor.device))
     return tensor
+
+
+# What gloo says when a peer process is gone (exited, killed, its node lost) or stopped
+# answering; anything else is a fault of this process and is raised as itself.
+_PEER_GONE = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|Timed out waiting|Socket Timeout|Connection refused"
+)
+
+
+def _peer_gone(exc: Exception) -> JobError | None:
+    text = str(exc).strip()
+    if not _PEER_GONE.search(text):
+        return None
+    reason = text.splitlines()[0]
+    return JobError(f"another rank stopped answering (its own error, if it had time, is above): {reason}")
 
 
 def agree_max(values: list[int]) -> list[int]:
     """The maximum of each value over ranks (a few CPU integers; the control group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _active():
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control[0])
     except RuntimeError as exc:  # the every-step meeting point: where a dead rank shows first
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise JobError(f"another rank stopped answering (its own error, if it had time, is above): {reason}") from None
+        gone = _peer_gone(exc)
+        if gone is None:
+            raise
+        raise gone from None
     return tensor.tolist()
+
+
+class Agreement:
+    """``agree_max`` started now and read later (``result``), so the all-reduce runs while the
+    caller trains a step: what every rank proposed one step ago, the same on every rank."""
+
+    def __init__(self, values: list[int]):
+        self.values = torch.tensor(values, dtype=torch.int64)
+        self.work = None
+        if _active():
+            self.work = dist.all_reduce(self.values, op=dist.ReduceOp.MAX, group=_control[0], async_op=True)
+
+    def result(self) -> list[int]:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as exc:
+                gone = _peer_gone(exc)
+                if gone is None:
+                    raise
+                raise gone from None
+            self.work = None
+        return self.values.tolist()
 
 
 def shared_run_id() -> str | None:

@@ -340,11 +340,21 @@ def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_me
     for batch in batches:
         if "shared" in batch:
             batch["image"] = shared.claim(batch.pop("shared"), pin_memory)  # type: ignore[union-attr]
+        elif pin_memory and shared is not None:
+            # A worker that found no free buffer sent a batch of its own, which the DataLoader
+            # does not pin (its pin_memory is off when buffers are shared): pin it here, or its
+            # non_blocking copy to the GPU waits.
+            batch["image"] = pin(batch["image"])
         batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
         batch["id"] = torch.tensor(batch["id"], dtype=torch.int64)
         # bad: [b, 2], the samples and shard reads skipped before each row; bad_shards: their URLs
         batch["bad"], batch["bad_shards"] = bad_counts(batch["bad"])
         yield batch
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in pinned memory (needs CUDA), in the same layout."""
+    return plain_copy(tensor, pin_memory=True)
 
 
 def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None) -> Iterator[dict]:
