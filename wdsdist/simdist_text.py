@@ -1,0 +1,283 @@
+"""simdist's report as text: the parameters, the splits, each rank's line, the verdict, the sample
+balance, coverage and advice. Plan and real mode print the same lines."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from wdsdist.simdist_simulate import Coverage, RankEpoch, Simulation, plural, simulate_plan
+from wdsdist.splits import nearest_divisible, suggest_dsrepeat
+
+SHOWN_RANKS = 32  # more ranks than this: a summary plus the first and last few (--verbose: all)
+
+
+def percent(n: int, total: int) -> str:
+    return f"{100 * n / total:.1f}%" if total else "-"
+
+
+def _ranges(ranks: Sequence[int], limit: int = 6) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7' (at most ``limit`` pieces)."""
+    pieces: list[str] = []
+    start = prev = None
+    for r in list(ranks) + [None]:
+        if start is not None and (r is None or r != prev + 1):
+            pieces.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    more = len(pieces) - limit
+    return ", ".join(pieces[:limit]) + (f", ... (+{more} more)" if more > 0 else "")
+
+
+def ranks_word(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+
+
+def rank_line(rank: int, result: RankEpoch, width: int = 1) -> str:
+    """One rank's line, the same in plan and real mode: batches, sizes, samples."""
+    head = f"rank {rank:>{width}}:"
+    if result.refused:
+        return f"{head} {result.refused}"
+    if not result.batches:
+        return f"{head} 0 batches"
+    sizes = sorted(result.sizes.items(), reverse=True)
+    if len(sizes) == 1:
+        size, n = sizes[0]
+        return f"{head} {n} batches of {size} ({result.samples} samples)"
+    parts = ", ".join(f"{n} of {size}" for size, n in sizes)
+    return f"{head} {result.batches} batches: {parts} ({result.samples} samples)"
+
+
+def shown_ranks(results: Sequence[RankEpoch], verbose: bool) -> list[int]:
+    """All ranks, or for big worlds the first and last few plus the shortest and the longest."""
+    n = len(results)
+    if verbose or n <= SHOWN_RANKS:
+        return list(range(n))
+    counts = [r.batches for r in results]
+    keep = set(range(4)) | set(range(n - 4, n))
+    keep.add(counts.index(min(counts)))
+    keep.add(counts.index(max(counts)))
+    return sorted(keep)
+
+
+def rank_lines(results: Sequence[RankEpoch], verbose: bool = False) -> list[str]:
+    width = len(str(len(results) - 1))
+    out: list[str] = []
+    shown = shown_ranks(results, verbose)
+    if len(shown) < len(results):
+        counts = Counter(r.batches for r in results)
+        lo, hi = min(counts), max(counts)
+        if lo == hi:
+            out.append(f"batches per rank: {lo} on every one of {len(results)} ranks")
+        else:
+            out.append(f"batches per rank: {lo}..{hi}, {len(counts)} distinct counts over {len(results)} ranks")
+            for batches, nranks in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
+                out.append(f"  {batches} batches: {nranks} ranks")
+            if len(counts) > 5:
+                out.append(f"  ... {len(counts) - 5} more counts")
+    last = -1
+    for r in shown:
+        if r > last + 1:
+            out.append(f"  ... {r - last - 1} ranks not shown (--verbose shows all)")
+        out.append(rank_line(r, results[r], width))
+        last = r
+    return out
+
+
+def verdict(epochs: Sequence[Sequence[RankEpoch]]) -> tuple[bool, str]:
+    """SUCCESS when every rank delivers the same number of batches (> 0) in every epoch."""
+    for e, results in enumerate(epochs):
+        where = f"epoch {e}: " if len(epochs) > 1 else ""
+        refused = [i for i, r in enumerate(results) if r.refused]
+        if refused:
+            return False, f"FAILED: {where}the training loader refuses {ranks_word(refused)} (a worker with no shard)"
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(results):
+            groups.setdefault(r.batches, []).append(i)
+        if len(groups) > 1:
+            parts = [f"{b} ({ranks_word(rs)})" for b, rs in sorted(groups.items(), key=lambda kv: -kv[0])]
+            if len(parts) > 4:
+                parts = [f"{len(parts)} different counts from {parts[-1]} to {parts[0]}"]
+            return False, f"FAILED: {where}ranks deliver different numbers of batches: " + ", ".join(parts)
+        if not next(iter(groups)):
+            return False, f"FAILED: {where}every rank delivers 0 batches"
+    n = epochs[0][0].batches
+    return True, f"SUCCESS: same batches in all ranks ({n} per rank per epoch)"
+
+
+def sample_balance(sim: Simulation) -> tuple[int, int, int]:
+    """(delivered, dropped, repeated) samples per epoch against one pass over the data set.
+
+    Per rank: its share of the data (one pass, no dsrepeat) against what it delivers. With
+    repetition, which samples repeat depends on the shuffle, so these are lower bounds; real
+    mode counts keys.
+    """
+    out = dropped = repeated = 0
+    for rank, result in zip(sim.plan.ranks, sim.expected, strict=True):
+        share = rank.samples // sim.settings.dsrepeat
+        got = 0 if result.refused else result.samples
+        out += got
+        dropped += max(0, share - got)
+        repeated += max(0, got - share)
+    return out, dropped, repeated
+
+
+def advice(sim: Simulation) -> list[str]:
+    """Why the layout cannot be equal, with the numbers, and the nearest fixes."""
+    s, p = sim.settings, sim.plan
+    out: list[str] = []
+    slots = s.size * p.nworkers
+    divisible = p.nshards % slots == 0
+    fewest = min(len(r.shards) for r in p.ranks)
+    if fewest < p.nworkers:
+        rank = next(r for r in p.ranks if len(r.shards) == fewest)
+        fix = f"--nworkers {fewest}" if fewest else f"--size {p.nshards}"
+        out.append(
+            f"rank {rank.rank} gets {plural(fewest, 'shard')} for {p.nworkers} workers, so a worker gets no shard "
+            f"(the training loader refuses that): use {fix}, or at least {slots} shards "
+            f"({nearest_divisible(max(p.nshards, slots), slots)} divide evenly)"
+        )
+        return out
+    reach = sim.reach
+    lo, hi = min(reach), max(reach)
+    if not hi:
+        smallest = min(w.samples for r in p.ranks for w in r.workers)
+        out.append(
+            f"every rank delivers 0 batches: a worker holds as few as {smallest} samples per epoch, "
+            f"less than --batch-size {s.batch_size}; use a smaller --batch-size, --partial, or --dsrepeat"
+        )
+        return out
+    if not divisible:
+        out.append(
+            f"{p.nshards} shards do not divide evenly into {s.size} ranks x {p.nworkers} workers = {slots} "
+            f"slots, so ranks get different numbers of shards: {nearest_divisible(p.nshards, slots)} shards "
+            f"of equal size would divide evenly"
+        )
+    elif len(set(sim.layout.counts)) > 1:
+        out.append(
+            f"{p.nshards} shards divide evenly into {slots} slots, but shards hold {min(sim.layout.counts)}.."
+            f"{max(sim.layout.counts)} samples, so ranks still differ: cut them (--nbatches)"
+        )
+    if sim.cut is not None and sim.cut > lo:
+        short = [i for i, n in enumerate(reach) if n < sim.cut]
+        k = suggest_dsrepeat(p, math.ceil(sim.cut / s.repeat))
+        fixes = [f"--nbatches {lo} or less (every rank reaches {lo})"]
+        if k:
+            fixes.append(f"--dsrepeat {k} (each worker reads its shards {k} times)")
+        if lo:
+            fixes.append(f"--repeat {math.ceil(sim.cut / min(r.available for r in p.ranks))} (loader-level passes)")
+        out.append(
+            f"--nbatches {sim.cut} is more than {ranks_word(short)} can deliver "
+            f"(as few as {lo} batches with --dsrepeat {s.dsrepeat}): use " + ", or ".join(fixes)
+        )
+    elif sim.cut is None and lo != hi:
+        cut_sim = simulate_plan(sim.layout, replace(s, nbatches=lo))
+        got, dropped, _ = sample_balance(cut_sim)
+        out.append(
+            f"ranks reach {lo}..{hi} batches per epoch and DDP needs the same number on every rank: cut every "
+            f"rank with --nbatches {lo} (or --nbatches auto), which delivers {got} of {sim.layout.total} samples "
+            f"per epoch (drops {dropped}, {percent(dropped, sim.layout.total)})"
+        )
+        k = suggest_dsrepeat(p, math.ceil(hi / s.repeat))
+        if k:
+            more = simulate_plan(sim.layout, replace(s, nbatches=hi, dsrepeat=k))
+            got, dropped, repeated = sample_balance(more)
+            out.append(
+                f"or lose no rank's data: with --nbatches {hi} --dsrepeat {k} every worker reads its shards {k} times, "
+                f"so the short ranks reach {hi} too (delivers {got} samples per epoch, repeats at least {repeated}, "
+                f"{percent(repeated, sim.layout.total)})"
+            )
+    return out
+
+
+def describe_counts(counts: Sequence[int]) -> str:
+    lo, hi = min(counts), max(counts)
+    if lo == hi:
+        return f"{lo} per shard"
+    return f"{lo}..{hi} per shard, mean {sum(counts) / len(counts):.1f}"
+
+
+def parameter_lines(sim: Simulation, real: bool) -> list[str]:
+    s, lay = sim.settings, sim.layout
+    nw = "0 (loading in the main process: one worker)" if s.nworkers == 0 else str(s.nworkers)
+    if s.nbatches == "auto":
+        cut = f"auto -> {sim.cut} (the most every rank reaches)"
+    else:
+        cut = "none (every rank runs to the end of its data)" if sim.cut is None else str(sim.cut)
+    mode = (
+        "real: every simulated rank runs the training loader (RankLoader) with its own DataLoader workers"
+        if real
+        else "plan: counts from the planner and sample counts alone, no data read"
+    )
+    return [
+        f"simdist ({mode})",
+        "parameters:",
+        f"  shards        {sim.plan.nshards} ({lay.source})",
+        f"  samples       {lay.total} ({describe_counts(lay.counts)})",
+        f"  size          {s.size} ranks",
+        f"  nworkers      {nw} per rank",
+        f"  batch-size    {s.batch_size}",
+        f"  partial       {'yes (short batches kept)' if s.partial else 'no (short batches dropped)'}",
+        f"  nbatches      {cut}",
+        f"  dsrepeat      {s.dsrepeat} (passes over the shards inside each worker)",
+        f"  repeat        {s.repeat} (loader passes per epoch)",
+        f"  cross-shuffle {s.cross_shuffle}" + (" (re-batch across workers)" if s.cross_shuffle else ""),
+        f"  nepochs       {s.nepochs}",
+    ]
+
+
+def split_lines(sim: Simulation, verbose: bool) -> list[str]:
+    """Which shards each rank and each worker got (indices into the expanded shard list)."""
+
+    def listing(indices: Sequence[int]) -> str:
+        head = ", ".join(map(str, indices[:8]))
+        return f"[{head}{', ...' if len(indices) > 8 else ''}]"
+
+    p, s = sim.plan, sim.settings
+    out = ["splits (shard i is the i-th of the shard list; worker samples and batches per loader pass):"]
+    if sim.layout.shards:
+        out.append(f"  shard 0 = {sim.layout.shards[0].url}, shard {p.nshards - 1} = {sim.layout.shards[-1].url}")
+    shown = shown_ranks(sim.expected, verbose)
+    for r in shown:
+        rank = p.ranks[r]
+        out.append(
+            f"rank {r}: {plural(len(rank.shards), 'shard')} {listing(rank.shards)}, "
+            f"{rank.samples // s.dsrepeat} samples"
+        )
+        for w in rank.workers:
+            x = f" x {s.dsrepeat}" if s.dsrepeat > 1 else ""
+            out.append(
+                f"  worker {w.worker}: {plural(len(w.shards), 'shard')} {listing(w.shards)}, "
+                f"{w.samples // s.dsrepeat}{x} samples, {w.batches} batches"
+            )
+    if len(shown) < len(p.ranks):
+        out.append(f"  ({len(p.ranks) - len(shown)} ranks not shown; --verbose shows all)")
+    return out
+
+
+def coverage_line(epoch: int, c: Coverage, sim: Simulation) -> str:
+    s, cut, reach = sim.settings, sim.cut, sim.reach
+    short_dropped = not s.partial and any(w.samples % s.batch_size for r in sim.plan.ranks for w in r.workers)
+    line = (
+        f"coverage epoch {epoch}: {c.delivered} samples delivered, {c.unique} distinct of {c.total}; "
+        f"duplicated {c.duplicated} ({percent(c.duplicated, c.total)}), "
+        f"missing {c.missing} ({percent(c.missing, c.total)})"
+    )
+    why = []
+    if c.missing:
+        if cut is not None and cut < max(reach):
+            why.append("the cut at --nbatches drops the rest of longer ranks")
+        if short_dropped:
+            why.append("short batches are dropped (--no-partial)")
+        if s.dsrepeat > 1 or s.repeat > 1:
+            why.append("repeated samples take the place of others")
+    if c.duplicated:
+        if s.dsrepeat > 1 or s.repeat > 1:
+            why.append("--dsrepeat/--repeat read data more than once")
+        else:
+            why.append("UNEXPECTED: no repetition was asked for (are keys unique in the data set?)")
+    return line + (f" [{'; '.join(why)}]" if why else "")
