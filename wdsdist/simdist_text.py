@@ -128,70 +128,98 @@ def sample_balance(sim: Simulation) -> tuple[int, int, int]:
 
 def advice(sim: Simulation) -> list[str]:
     """Why the layout cannot be equal, with the numbers, and the nearest fixes."""
-    s, p = sim.settings, sim.plan
-    out: list[str] = []
-    slots = s.size * p.nworkers
-    divisible = p.nshards % slots == 0
-    fewest = min(len(r.shards) for r in p.ranks)
-    if fewest < p.nworkers:
-        rank = next(r for r in p.ranks if len(r.shards) == fewest)
-        fix = f"--nworkers {fewest}" if fewest else f"--size {p.nshards}"
-        out.append(
-            f"rank {rank.rank} gets {plural(fewest, 'shard')} for {p.nworkers} workers, so a worker gets no shard "
-            f"(the training loader refuses that): use {fix}, or at least {slots} shards "
-            f"({nearest_divisible(max(p.nshards, slots), slots)} divide evenly)"
-        )
-        return out
+    no_shard = _no_shard_tip(sim)
+    if no_shard:
+        return [no_shard]
     reach = sim.reach
     lo, hi = min(reach), max(reach)
     if not hi:
-        smallest = min(w.samples for r in p.ranks for w in r.workers)
-        out.append(
-            f"every rank delivers 0 batches: a worker holds as few as {smallest} samples per epoch, "
-            f"less than --batch-size {s.batch_size}; use a smaller --batch-size, --partial, or --dsrepeat"
-        )
-        return out
-    if not divisible:
-        out.append(
-            f"{p.nshards} shards do not divide evenly into {s.size} ranks x {p.nworkers} workers = {slots} "
-            f"slots, so ranks get different numbers of shards: {nearest_divisible(p.nshards, slots)} shards "
-            f"of equal size would divide evenly"
-        )
-    elif len(set(sim.layout.counts)) > 1:
-        out.append(
-            f"{p.nshards} shards divide evenly into {slots} slots, but shards hold {min(sim.layout.counts)}.."
-            f"{max(sim.layout.counts)} samples, so ranks still differ: cut them (--nbatches)"
-        )
+        return [_no_batch_tip(sim)]
+    tips = _shard_count_tips(sim)
     if sim.cut is not None and sim.cut > lo:
-        short = [i for i, n in enumerate(reach) if n < sim.cut]
-        k = suggest_dsrepeat(p, math.ceil(sim.cut / s.repeat))
-        fixes = [f"--nbatches {lo} or less (every rank reaches {lo})"]
-        if k:
-            fixes.append(f"--dsrepeat {k} (each worker reads its shards {k} times)")
-        if lo:
-            fixes.append(f"--repeat {math.ceil(sim.cut / min(r.available for r in p.ranks))} (loader-level passes)")
-        out.append(
-            f"--nbatches {sim.cut} is more than {ranks_word(short)} can deliver "
-            f"(as few as {lo} batches with --dsrepeat {s.dsrepeat}): use " + ", or ".join(fixes)
-        )
+        tips.append(_cut_too_high_tip(sim, sim.cut, lo))
     elif sim.cut is None and lo != hi:
-        cut_sim = simulate_plan(sim.layout, replace(s, nbatches=lo))
-        got, dropped, _ = sample_balance(cut_sim)
-        out.append(
-            f"ranks reach {lo}..{hi} batches per epoch and DDP needs the same number on every rank: cut every "
-            f"rank with --nbatches {lo} (or --nbatches auto), which delivers {got} of {sim.layout.total} samples "
-            f"per epoch (drops {dropped}, {percent(dropped, sim.layout.total)})"
+        tips += _cut_or_repeat_tips(sim, lo, hi)
+    return tips
+
+
+def _no_shard_tip(sim: Simulation) -> str | None:
+    """A rank with fewer shards than workers: some worker gets none, and the loader refuses it."""
+    plan = sim.plan
+    fewest = min(len(r.shards) for r in plan.ranks)
+    if fewest >= plan.nworkers:
+        return None
+    slots = sim.settings.size * plan.nworkers
+    rank = next(r for r in plan.ranks if len(r.shards) == fewest)
+    fix = f"--nworkers {fewest}" if fewest else f"--size {plan.nshards}"
+    return (
+        f"rank {rank.rank} gets {plural(fewest, 'shard')} for {plan.nworkers} workers, so a worker gets no shard "
+        f"(the training loader refuses that): use {fix}, or at least {slots} shards "
+        f"({nearest_divisible(max(plan.nshards, slots), slots)} divide evenly)"
+    )
+
+
+def _no_batch_tip(sim: Simulation) -> str:
+    smallest = min(w.samples for r in sim.plan.ranks for w in r.workers)
+    return (
+        f"every rank delivers 0 batches: a worker holds as few as {smallest} samples per epoch, "
+        f"less than --batch-size {sim.settings.batch_size}; use a smaller --batch-size, --partial, or --dsrepeat"
+    )
+
+
+def _shard_count_tips(sim: Simulation) -> list[str]:
+    """Why ranks differ before any cut: shards that do not divide evenly, or shards of unequal size."""
+    plan, size, counts = sim.plan, sim.settings.size, sim.layout.counts
+    slots = size * plan.nworkers
+    if plan.nshards % slots:
+        return [
+            f"{plan.nshards} shards do not divide evenly into {size} ranks x {plan.nworkers} workers = {slots} "
+            f"slots, so ranks get different numbers of shards: {nearest_divisible(plan.nshards, slots)} shards "
+            f"of equal size would divide evenly"
+        ]
+    if len(set(counts)) > 1:
+        return [
+            f"{plan.nshards} shards divide evenly into {slots} slots, but shards hold {min(counts)}.."
+            f"{max(counts)} samples, so ranks still differ: cut them (--nbatches)"
+        ]
+    return []
+
+
+def _cut_too_high_tip(sim: Simulation, cut: int, lo: int) -> str:
+    """--nbatches ``cut`` above what the shortest rank reaches (``lo``): a lower cut, or more passes."""
+    settings, plan = sim.settings, sim.plan
+    short = [i for i, n in enumerate(sim.reach) if n < cut]
+    dsrepeat = suggest_dsrepeat(plan, math.ceil(cut / settings.repeat))
+    fixes = [f"--nbatches {lo} or less (every rank reaches {lo})"]
+    if dsrepeat:
+        fixes.append(f"--dsrepeat {dsrepeat} (each worker reads its shards {dsrepeat} times)")
+    if lo:
+        fixes.append(f"--repeat {math.ceil(cut / min(r.available for r in plan.ranks))} (loader-level passes)")
+    return (
+        f"--nbatches {cut} is more than {ranks_word(short)} can deliver "
+        f"(as few as {lo} batches with --dsrepeat {settings.dsrepeat}): use " + ", or ".join(fixes)
+    )
+
+
+def _cut_or_repeat_tips(sim: Simulation, lo: int, hi: int) -> list[str]:
+    """No cut and ranks reach ``lo``..``hi``: cut at lo and drop data, or repeat the short ranks' data."""
+    settings, total = sim.settings, sim.layout.total
+    got, dropped, _ = sample_balance(simulate_plan(sim.layout, replace(settings, nbatches=lo)))
+    tips = [
+        f"ranks reach {lo}..{hi} batches per epoch and DDP needs the same number on every rank: cut every "
+        f"rank with --nbatches {lo} (or --nbatches auto), which delivers {got} of {total} samples "
+        f"per epoch (drops {dropped}, {percent(dropped, total)})"
+    ]
+    dsrepeat = suggest_dsrepeat(sim.plan, math.ceil(hi / settings.repeat))
+    if dsrepeat:
+        longer = simulate_plan(sim.layout, replace(settings, nbatches=hi, dsrepeat=dsrepeat))
+        got, dropped, repeated = sample_balance(longer)
+        tips.append(
+            f"or lose no rank's data: with --nbatches {hi} --dsrepeat {dsrepeat} every worker reads its shards "
+            f"{dsrepeat} times, so the short ranks reach {hi} too (delivers {got} samples per epoch, repeats at "
+            f"least {repeated}, {percent(repeated, total)})"
         )
-        k = suggest_dsrepeat(p, math.ceil(hi / s.repeat))
-        if k:
-            more = simulate_plan(sim.layout, replace(s, nbatches=hi, dsrepeat=k))
-            got, dropped, repeated = sample_balance(more)
-            out.append(
-                f"or lose no rank's data: with --nbatches {hi} --dsrepeat {k} every worker reads its shards {k} times, "
-                f"so the short ranks reach {hi} too (delivers {got} samples per epoch, repeats at least {repeated}, "
-                f"{percent(repeated, sim.layout.total)})"
-            )
-    return out
+    return tips
 
 
 def describe_counts(counts: Sequence[int]) -> str:
