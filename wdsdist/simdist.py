@@ -57,12 +57,12 @@ from wdsdist.simdist_simulate import (
 from wdsdist.simdist_text import (
     SHOWN_RANKS,
     advice,
+    balance_line,
     coverage_line,
     parameter_lines,
-    percent,
     rank_line,
     rank_lines,
-    ranks_word,
+    real_run_lines,
     sample_balance,
     shown_ranks,
     split_lines,
@@ -83,6 +83,7 @@ __all__ = [
     "Settings",
     "Simulation",
     "advice",
+    "balance_line",
     "coverage_line",
     "delivered",
     "described_counts",
@@ -93,6 +94,7 @@ __all__ = [
     "plot",
     "rank_line",
     "rank_lines",
+    "real_run_lines",
     "refusal",
     "report",
     "sample_balance",
@@ -127,30 +129,18 @@ def report(
     if showsplits:
         say(*split_lines(sim, verbose), "")
     epochs = real.epochs if real else [sim.expected]
-    for e, results in enumerate(epochs):
+    for epoch, results in enumerate(epochs):
         if len(epochs) > 1:
-            say(f"epoch {e}:")
+            say(f"epoch {epoch}:")
         say(*rank_lines(results, verbose))
-    say("")
-    got, dropped, repeated = sample_balance(sim)
-    total = sim.layout.total
-    bounds = sim.settings.dsrepeat > 1 or sim.settings.repeat > 1
-    say(
-        f"samples per epoch: {got} delivered for {total} in the data set: drops {dropped} ({percent(dropped, total)}), "
-        f"repeats {repeated} ({percent(repeated, total)})"
-        + (" (at least: the shuffle decides which samples repeat)" if bounds else "")
-    )
+    say("", balance_line(sim))
     if real:
-        for e, c in enumerate(real.coverage):
-            say(coverage_line(e, c, sim))
-        differ = [r for results in real.epochs for r, x in enumerate(results) if x != sim.expected[r]]
-        if differ:
-            say(f"warning: the loader delivered other counts than the plan for {ranks_word(sorted(set(differ)))}")
+        say(*real_run_lines(sim, real))
     ok, line = verdict(epochs)
     if not ok:
         tips = advice(sim)
         if tips:
-            say("", "advice:", *(f"  - {t}" for t in tips))
+            say("", "advice:", *(f"  - {tip}" for tip in tips))
     if plot_to:
         say(f"plot: {plot(sim, epochs[-1], plot_to)}")
     say("", line)

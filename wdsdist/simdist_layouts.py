@@ -38,10 +38,10 @@ _SPREAD = re.compile(r"^\s*(\d+)\s*(?:(?:\+-|\+/-|±)\s*(\d+))?\s*$")
 
 def parse_spread(text: str) -> tuple[int, int]:
     """'1000' -> (1000, 0); '1000+-50' -> (1000, 50): samples per shard and the spread around it."""
-    m = _SPREAD.match(str(text))
-    if not m:
+    match = _SPREAD.match(str(text))
+    if not match:
         raise UserError(f"--samples-per-shard {text!r}: expected N or N+-D, such as 1000 or 1000+-50")
-    base, spread = int(m.group(1)), int(m.group(2) or 0)
+    base, spread = int(match.group(1)), int(match.group(2) or 0)
     if base < 1:
         raise UserError(f"--samples-per-shard must be >= 1, got {base}")
     if spread >= base:

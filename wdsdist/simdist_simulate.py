@@ -98,62 +98,63 @@ def pass_sizes(rank: RankPlan, batch_size: int, partial: bool, rebatch: bool) ->
     if rebatch and partial:
         full, rest = divmod(rank.samples, batch_size)
         return full, [(full, rest)] if rest else []
-    per_worker = []
-    for w in rank.workers:
-        full, rest = divmod(w.samples, batch_size)
+    per_worker = []  # (full batches, samples of the short batch) per worker
+    for worker in rank.workers:
+        full, rest = divmod(worker.samples, batch_size)
         per_worker.append((full, rest if partial else 0))
-    counts = [f + (1 if r else 0) for f, r in per_worker]
+    counts = [full + (1 if rest else 0) for full, rest in per_worker]
     shorts = []
-    for w, (_, rest) in enumerate(per_worker):
+    for worker, (_, rest) in enumerate(per_worker):
         if rest:
-            last_round = counts[w] - 1
-            before = sum(min(c, last_round) for c in counts) + sum(1 for v in range(w) if counts[v] >= counts[w])
+            last_round = counts[worker] - 1
+            before = sum(min(count, last_round) for count in counts)
+            before += sum(1 for other in range(worker) if counts[other] >= counts[worker])
             shorts.append((before, rest))
-    return sum(f for f, _ in per_worker), sorted(shorts)
+    return sum(full for full, _ in per_worker), sorted(shorts)
 
 
-def delivered(rank: RankPlan, s: Settings, cut: int | None) -> RankEpoch:
+def delivered(rank: RankPlan, settings: Settings, cut: int | None) -> RankEpoch:
     """Batch sizes one rank delivers per epoch: ``repeat`` passes, cut at ``cut`` batches."""
     why = refusal(rank)
     if why:
         return RankEpoch({}, why)
-    full, shorts = pass_sizes(rank, s.batch_size, s.partial, s.cross_shuffle > 0)
+    full, shorts = pass_sizes(rank, settings.batch_size, settings.partial, settings.cross_shuffle > 0)
     per_pass = full + len(shorts)
     if cut is None or not per_pass:
-        whole, rest = s.repeat, 0
+        whole, rest = settings.repeat, 0
     else:
         whole, rest = divmod(cut, per_pass)
-        if whole >= s.repeat:
-            whole, rest = s.repeat, 0
+        if whole >= settings.repeat:
+            whole, rest = settings.repeat, 0
     sizes: Counter[int] = Counter()
-    for m in [per_pass] * whole + ([rest] if rest else []):
-        taken = [size for pos, size in shorts if pos < m]
-        sizes[s.batch_size] += m - len(taken)
+    for batches in [per_pass] * whole + ([rest] if rest else []):
+        taken = [size for position, size in shorts if position < batches]
+        sizes[settings.batch_size] += batches - len(taken)
         sizes.update(taken)
     return RankEpoch({k: v for k, v in sizes.items() if v})
 
 
-def simulate_plan(layout: Layout, s: Settings) -> Simulation:
+def simulate_plan(layout: Layout, settings: Settings) -> Simulation:
     """Per-rank counts from sample counts alone."""
     try:
-        p = plan(
+        one_pass = plan(
             layout.counts,
-            s.size,
-            s.nworkers,
-            s.batch_size,
-            partial=s.partial,
-            dsrepeat=s.dsrepeat,
-            rebatch=s.cross_shuffle > 0,
+            settings.size,
+            settings.nworkers,
+            settings.batch_size,
+            partial=settings.partial,
+            dsrepeat=settings.dsrepeat,
+            rebatch=settings.cross_shuffle > 0,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    reach = [s.repeat * r.available for r in p.ranks]
+    reach = [settings.repeat * r.available for r in one_pass.ranks]
     cut: int | None
-    if s.nbatches == "auto":
+    if settings.nbatches == "auto":
         cut = min(reach)
     else:
-        cut = s.nbatches  # type: ignore[assignment]
-    return Simulation(layout, s, p, cut, [delivered(r, s, cut) for r in p.ranks])
+        cut = settings.nbatches  # type: ignore[assignment]
+    return Simulation(layout, settings, one_pass, cut, [delivered(r, settings, cut) for r in one_pass.ranks])
 
 
 # ---------------------------------------------------------------- real mode
@@ -189,61 +190,61 @@ def simulate_real(
     access = access or Access()
     from wdsdist.pipeline import DataError, LoaderConfig, RankLoader
 
-    s, shards = sim.settings, sim.layout.shards
+    settings, shards = sim.settings, sim.layout.shards
     if shards is None:
         raise UserError("real mode needs shards: give --shards, or let simdist write synthetic ones")
-    cfg = LoaderConfig(
-        batch_size=s.batch_size,
-        workers=s.nworkers,
+    config = LoaderConfig(
+        batch_size=settings.batch_size,
+        workers=settings.nworkers,
         mode="epoch",
         image_size=image_size,
-        seed=s.seed,
-        cross_shuffle=s.cross_shuffle,
-        partial=s.partial,
+        seed=settings.seed,
+        cross_shuffle=settings.cross_shuffle,
+        partial=settings.partial,
         nbatches=sim.cut if sim.cut else None,
-        dsrepeat=s.dsrepeat,
+        dsrepeat=settings.dsrepeat,
         with_keys=True,
         trace=showopen,
         strict=True,  # a simulator reports bad data at once: skipping it would change the counts
         allow_pipe=access.allow_pipe,
         trust_index=access.trust_index,
     )
-    epochs: list[list[RankEpoch]] = [[] for _ in range(s.nepochs)]
-    keys: list[Counter[str]] = [Counter() for _ in range(s.nepochs)]
+    epochs: list[list[RankEpoch]] = [[] for _ in range(settings.nepochs)]
+    keys: list[Counter[str]] = [Counter() for _ in range(settings.nepochs)]
     with warnings.catch_warnings():
         # Simulating more workers than this machine has cores is the point, not a mistake.
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         for rank, rank_plan in enumerate(sim.plan.ranks):
             why = refusal(rank_plan)
             if why:
-                for e in range(s.nepochs):
-                    epochs[e].append(RankEpoch({}, why))
+                for results in epochs:
+                    results.append(RankEpoch({}, why))
                 continue
-            loader = RankLoader(list(shards), rank, s.size, cfg, None, None)  # no plan: run to the end of the data
+            loader = RankLoader(list(shards), rank, settings.size, config, None, None)  # no plan: to the data's end
             try:
-                for e in range(s.nepochs):
-                    epochs[e].append(_run_epoch(loader, s.repeat, sim.cut, keys[e]))
+                for results, epoch_keys in zip(epochs, keys, strict=True):
+                    results.append(_run_epoch(loader, settings.repeat, sim.cut, epoch_keys))
             except DataError as exc:
                 # Raised in a worker, it arrives with the worker's traceback: keep its last line.
                 raise UserError(re.sub(r"^[\w.]*DataError: ", "", str(exc).strip().splitlines()[-1])) from None
             finally:
                 del loader
             gc.collect()  # shut this rank's persistent workers down before the next rank starts its own
-    coverage = [Coverage(sim.layout.total, sum(k.values()), len(k)) for k in keys]
+    coverage = [Coverage(sim.layout.total, sum(epoch_keys.values()), len(epoch_keys)) for epoch_keys in keys]
     return RealRun(epochs, coverage)
 
 
 def _run_epoch(loader, repeat: int, cut: int | None, keys: Counter[str]) -> RankEpoch:
     """One simulated epoch of one rank: ``repeat`` passes of its loader, stopped at ``cut`` batches."""
     sizes: Counter[int] = Counter()
-    n = 0
+    batches = 0
     for _ in range(repeat):
-        if cut is not None and n >= cut:
+        if cut is not None and batches >= cut:
             break
         for batch in loader:
             sizes[len(batch["key"])] += 1
             keys.update(batch["key"])
-            n += 1
-            if cut is not None and n >= cut:
+            batches += 1
+            if cut is not None and batches >= cut:
                 break
     return RankEpoch(dict(sizes))

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from wdsdist.simdist_simulate import Coverage, RankEpoch, Simulation, plural, simulate_plan
+from wdsdist.simdist_simulate import Coverage, RankEpoch, RealRun, Simulation, plural, simulate_plan
 from wdsdist.splits import nearest_divisible, suggest_dsrepeat
 
 SHOWN_RANKS = 32  # more ranks than this: a summary plus the first and last few (--verbose: all)
@@ -90,8 +90,8 @@ def rank_lines(results: Sequence[RankEpoch], verbose: bool = False) -> list[str]
 
 def verdict(epochs: Sequence[Sequence[RankEpoch]]) -> tuple[bool, str]:
     """SUCCESS when every rank delivers the same number of batches (> 0) in every epoch."""
-    for e, results in enumerate(epochs):
-        where = f"epoch {e}: " if len(epochs) > 1 else ""
+    for epoch, results in enumerate(epochs):
+        where = f"epoch {epoch}: " if len(epochs) > 1 else ""
         refused = [i for i, r in enumerate(results) if r.refused]
         if refused:
             return False, f"FAILED: {where}the training loader refuses {ranks_word(refused)} (a worker with no shard)"
@@ -99,14 +99,16 @@ def verdict(epochs: Sequence[Sequence[RankEpoch]]) -> tuple[bool, str]:
         for i, r in enumerate(results):
             groups.setdefault(r.batches, []).append(i)
         if len(groups) > 1:
-            parts = [f"{b} ({ranks_word(rs)})" for b, rs in sorted(groups.items(), key=lambda kv: -kv[0])]
+            parts = [
+                f"{batches} ({ranks_word(ranks)})" for batches, ranks in sorted(groups.items(), key=lambda kv: -kv[0])
+            ]
             if len(parts) > 4:
                 parts = [f"{len(parts)} different counts from {parts[-1]} to {parts[0]}"]
             return False, f"FAILED: {where}ranks deliver different numbers of batches: " + ", ".join(parts)
         if not next(iter(groups)):
             return False, f"FAILED: {where}every rank delivers 0 batches"
-    n = epochs[0][0].batches
-    return True, f"SUCCESS: same batches in all ranks ({n} per rank per epoch)"
+    batches = epochs[0][0].batches
+    return True, f"SUCCESS: same batches in all ranks ({batches} per rank per epoch)"
 
 
 def sample_balance(sim: Simulation) -> tuple[int, int, int]:
@@ -116,14 +118,34 @@ def sample_balance(sim: Simulation) -> tuple[int, int, int]:
     repetition, which samples repeat depends on the shuffle, so these are lower bounds; real
     mode counts keys.
     """
-    out = dropped = repeated = 0
+    total = dropped = repeated = 0
     for rank, result in zip(sim.plan.ranks, sim.expected, strict=True):
         share = rank.samples // sim.settings.dsrepeat
         got = 0 if result.refused else result.samples
-        out += got
+        total += got
         dropped += max(0, share - got)
         repeated += max(0, got - share)
-    return out, dropped, repeated
+    return total, dropped, repeated
+
+
+def balance_line(sim: Simulation) -> str:
+    got, dropped, repeated = sample_balance(sim)
+    total = sim.layout.total
+    bounds = sim.settings.dsrepeat > 1 or sim.settings.repeat > 1
+    return (
+        f"samples per epoch: {got} delivered for {total} in the data set: drops {dropped} ({percent(dropped, total)}), "
+        f"repeats {repeated} ({percent(repeated, total)})"
+        + (" (at least: the shuffle decides which samples repeat)" if bounds else "")
+    )
+
+
+def real_run_lines(sim: Simulation, real: RealRun) -> list[str]:
+    """Real mode's coverage per epoch, and a warning where the loader did other than the plan."""
+    out = [coverage_line(epoch, coverage, sim) for epoch, coverage in enumerate(real.coverage)]
+    differ = [rank for results in real.epochs for rank, result in enumerate(results) if result != sim.expected[rank]]
+    if differ:
+        out.append(f"warning: the loader delivered other counts than the plan for {ranks_word(sorted(set(differ)))}")
+    return out
 
 
 def advice(sim: Simulation) -> list[str]:
@@ -230,9 +252,9 @@ def describe_counts(counts: Sequence[int]) -> str:
 
 
 def parameter_lines(sim: Simulation, real: bool) -> list[str]:
-    s, lay = sim.settings, sim.layout
-    nw = "0 (loading in the main process: one worker)" if s.nworkers == 0 else str(s.nworkers)
-    if s.nbatches == "auto":
+    settings, layout = sim.settings, sim.layout
+    nworkers = "0 (loading in the main process: one worker)" if settings.nworkers == 0 else str(settings.nworkers)
+    if settings.nbatches == "auto":
         cut = f"auto -> {sim.cut} (the most every rank reaches)"
     else:
         cut = "none (every rank runs to the end of its data)" if sim.cut is None else str(sim.cut)
@@ -244,17 +266,17 @@ def parameter_lines(sim: Simulation, real: bool) -> list[str]:
     return [
         f"simdist ({mode})",
         "parameters:",
-        f"  shards        {sim.plan.nshards} ({lay.source})",
-        f"  samples       {lay.total} ({describe_counts(lay.counts)})",
-        f"  size          {s.size} ranks",
-        f"  nworkers      {nw} per rank",
-        f"  batch-size    {s.batch_size}",
-        f"  partial       {'yes (short batches kept)' if s.partial else 'no (short batches dropped)'}",
+        f"  shards        {sim.plan.nshards} ({layout.source})",
+        f"  samples       {layout.total} ({describe_counts(layout.counts)})",
+        f"  size          {settings.size} ranks",
+        f"  nworkers      {nworkers} per rank",
+        f"  batch-size    {settings.batch_size}",
+        f"  partial       {'yes (short batches kept)' if settings.partial else 'no (short batches dropped)'}",
         f"  nbatches      {cut}",
-        f"  dsrepeat      {s.dsrepeat} (passes over the shards inside each worker)",
-        f"  repeat        {s.repeat} (loader passes per epoch)",
-        f"  cross-shuffle {s.cross_shuffle}" + (" (re-batch across workers)" if s.cross_shuffle else ""),
-        f"  nepochs       {s.nepochs}",
+        f"  dsrepeat      {settings.dsrepeat} (passes over the shards inside each worker)",
+        f"  repeat        {settings.repeat} (loader passes per epoch)",
+        f"  cross-shuffle {settings.cross_shuffle}" + (" (re-batch across workers)" if settings.cross_shuffle else ""),
+        f"  nepochs       {settings.nepochs}",
     ]
 
 
@@ -265,46 +287,49 @@ def split_lines(sim: Simulation, verbose: bool) -> list[str]:
         head = ", ".join(map(str, indices[:8]))
         return f"[{head}{', ...' if len(indices) > 8 else ''}]"
 
-    p, s = sim.plan, sim.settings
+    plan, settings = sim.plan, sim.settings
     out = ["splits (shard i is the i-th of the shard list; worker samples and batches per loader pass):"]
     if sim.layout.shards:
-        out.append(f"  shard 0 = {sim.layout.shards[0].url}, shard {p.nshards - 1} = {sim.layout.shards[-1].url}")
+        out.append(f"  shard 0 = {sim.layout.shards[0].url}, shard {plan.nshards - 1} = {sim.layout.shards[-1].url}")
     shown = shown_ranks(sim.expected, verbose)
-    for r in shown:
-        rank = p.ranks[r]
+    for index in shown:
+        rank = plan.ranks[index]
         out.append(
-            f"rank {r}: {plural(len(rank.shards), 'shard')} {listing(rank.shards)}, "
-            f"{rank.samples // s.dsrepeat} samples"
+            f"rank {index}: {plural(len(rank.shards), 'shard')} {listing(rank.shards)}, "
+            f"{rank.samples // settings.dsrepeat} samples"
         )
-        for w in rank.workers:
-            x = f" x {s.dsrepeat}" if s.dsrepeat > 1 else ""
+        for worker in rank.workers:
+            times = f" x {settings.dsrepeat}" if settings.dsrepeat > 1 else ""
             out.append(
-                f"  worker {w.worker}: {plural(len(w.shards), 'shard')} {listing(w.shards)}, "
-                f"{w.samples // s.dsrepeat}{x} samples, {w.batches} batches"
+                f"  worker {worker.worker}: {plural(len(worker.shards), 'shard')} {listing(worker.shards)}, "
+                f"{worker.samples // settings.dsrepeat}{times} samples, {worker.batches} batches"
             )
-    if len(shown) < len(p.ranks):
-        out.append(f"  ({len(p.ranks) - len(shown)} ranks not shown; --verbose shows all)")
+    if len(shown) < len(plan.ranks):
+        out.append(f"  ({len(plan.ranks) - len(shown)} ranks not shown; --verbose shows all)")
     return out
 
 
-def coverage_line(epoch: int, c: Coverage, sim: Simulation) -> str:
-    s, cut, reach = sim.settings, sim.cut, sim.reach
-    short_dropped = not s.partial and any(w.samples % s.batch_size for r in sim.plan.ranks for w in r.workers)
+def coverage_line(epoch: int, coverage: Coverage, sim: Simulation) -> str:
+    settings, cut, reach = sim.settings, sim.cut, sim.reach
+    short_dropped = not settings.partial and any(
+        w.samples % settings.batch_size for r in sim.plan.ranks for w in r.workers
+    )
     line = (
-        f"coverage epoch {epoch}: {c.delivered} samples delivered, {c.unique} distinct of {c.total}; "
-        f"duplicated {c.duplicated} ({percent(c.duplicated, c.total)}), "
-        f"missing {c.missing} ({percent(c.missing, c.total)})"
+        f"coverage epoch {epoch}: {coverage.delivered} samples delivered, "
+        f"{coverage.unique} distinct of {coverage.total}; "
+        f"duplicated {coverage.duplicated} ({percent(coverage.duplicated, coverage.total)}), "
+        f"missing {coverage.missing} ({percent(coverage.missing, coverage.total)})"
     )
     why = []
-    if c.missing:
+    if coverage.missing:
         if cut is not None and cut < max(reach):
             why.append("the cut at --nbatches drops the rest of longer ranks")
         if short_dropped:
             why.append("short batches are dropped (--no-partial)")
-        if s.dsrepeat > 1 or s.repeat > 1:
+        if settings.dsrepeat > 1 or settings.repeat > 1:
             why.append("repeated samples take the place of others")
-    if c.duplicated:
-        if s.dsrepeat > 1 or s.repeat > 1:
+    if coverage.duplicated:
+        if settings.dsrepeat > 1 or settings.repeat > 1:
             why.append("--dsrepeat/--repeat read data more than once")
         else:
             why.append("UNEXPECTED: no repetition was asked for (are keys unique in the data set?)")

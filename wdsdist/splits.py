@@ -220,11 +220,11 @@ def suggest_dsrepeat(p: Plan, nbatches: int, limit: int = 1000) -> int | None:
     if min(per_pass) == 0:
         return None
     # Each rank's batch count grows about linearly with dsrepeat; start at the estimate.
-    k = max(1, math.ceil(nbatches * p.batch_size / min(per_pass)) - 1)
-    while k <= limit:
-        if min(_available_with(p, k)) >= nbatches:
-            return k
-        k += 1
+    dsrepeat = max(1, math.ceil(nbatches * p.batch_size / min(per_pass)) - 1)
+    while dsrepeat <= limit:
+        if min(_available_with(p, dsrepeat)) >= nbatches:
+            return dsrepeat
+        dsrepeat += 1
     return None
 
 
