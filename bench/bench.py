@@ -301,7 +301,7 @@ def run_contender(name: str, args: argparse.Namespace) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=2000, help="images in the data set (default: %(default)s)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (default: all cores)")
@@ -314,25 +314,28 @@ def main() -> int:
     p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
     p.add_argument("--repeat", type=int, default=5, help="rounds over all contenders (default: %(default)s)")
     p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
-    args = p.parse_args()
-    info = prepare(Path(args.data), args.images)
-    if args.run:
-        result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
-        print(json.dumps(result))
-        return 0
+    return p.parse_args()
 
-    names = args.only or CONTENDERS
+
+def run_rounds(names: list[str], args: argparse.Namespace) -> dict[str, list[dict]] | None:
+    """Every contender once per round, interleaved; None if one failed."""
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(args.repeat):
         for name in names:
             print(f"round {round_ + 1}/{args.repeat}: {LABELS[name]} ...", file=sys.stderr, flush=True)
             result = run_contender(name, args)
             if result is None:
-                return 1
+                return None
             rounds[name].append(result)
-    # Each contender's median round by rate (the whole round, so its numbers belong together).
-    results = {name: sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] for name, rs in rounds.items()}
+    return rounds
 
+
+def median_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each contender's median round by rate (the whole round, so its numbers belong together)."""
+    return {name: sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] for name, rs in rounds.items()}
+
+
+def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) -> None:
     limit = results.get("limit", {}).get("samples_per_s")
     seed = results.get("seed", {}).get("samples_per_s")
     header = (
@@ -346,14 +349,17 @@ def main() -> int:
     )
     print(header)
     print("-" * len(header))
-    for name, r in results.items():
-        rate = r["samples_per_s"]
-        first = f"{r['first_batch_s']:.2f} s" if "first_batch_s" in r else "-"
-        rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
-        pss = f"{r['pss_mb']:.0f} MB" if "pss_mb" in r else "-"
-        xl = f"{rate / limit:.2f}" if limit else "-"
-        xs = f"{rate / seed:.2f}" if seed else "-"
-        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {pss:>11} {xl:>8} {xs:>7}")
+    for name, result in results.items():
+        rate = result["samples_per_s"]
+        first = f"{result['first_batch_s']:.2f} s" if "first_batch_s" in result else "-"
+        rss = f"{result['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in result else "-"
+        pss = f"{result['pss_mb']:.0f} MB" if "pss_mb" in result else "-"
+        x_limit = f"{rate / limit:.2f}" if limit else "-"
+        x_seed = f"{rate / seed:.2f}" if seed else "-"
+        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {pss:>11} {x_limit:>8} {x_seed:>7}")
+
+
+def write_json(args: argparse.Namespace, info: dict, results: dict[str, dict], rounds: dict[str, list[dict]]) -> None:
     report = {
         "config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]},
         "results": results,
@@ -362,6 +368,21 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
+
+
+def main() -> int:
+    args = parse_args()
+    info = prepare(Path(args.data), args.images)
+    if args.run:
+        result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
+        print(json.dumps(result))
+        return 0
+    rounds = run_rounds(args.only or list(CONTENDERS), args)
+    if rounds is None:
+        return 1
+    results = median_rounds(rounds)
+    print_table(results, args, info)
+    write_json(args, info, results, rounds)
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -153,38 +153,18 @@ def plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if nworkers < 0:
         raise ValueError(f"nworkers must be >= 0, got {nworkers}")
-    nw = max(nworkers, 1)
-    indices = range(len(nsamples))
-    ranks: list[RankPlan] = []
-    for r in range(world):
-        rank_shards = split_by_rank(indices, r, world)
-        workers = []
-        for w in range(nw):
-            shards = tuple(split_by_worker(rank_shards, w, nw))
-            samples = dsrepeat * sum(nsamples[i] for i in shards)
-            workers.append(WorkerPlan(w, shards, samples, nbatches_of(samples, batch_size, partial)))
-        samples = sum(w.samples for w in workers)
-        if rebatch and partial:
-            available = nbatches_of(samples, batch_size, partial)
-        else:
-            # Without partial batches the workers emit only full ones, so re-batching keeps the count.
-            available = sum(w.batches for w in workers)
-        ranks.append(RankPlan(r, tuple(rank_shards), samples, tuple(workers), available, available))
-    cut: int | None
-    if nbatches == "auto":
-        cut = min(r.available for r in ranks)
-    elif nbatches is None:
-        cut = None
-    else:
-        cut = int(nbatches)
-        if cut < 1:
-            raise ValueError(f"nbatches must be >= 1 or auto, got {nbatches}")
+    workers = max(nworkers, 1)
+    ranks = [
+        _plan_rank(nsamples, rank, world, workers, batch_size, partial=partial, dsrepeat=dsrepeat, rebatch=rebatch)
+        for rank in range(world)
+    ]
+    cut = _resolve_cut(nbatches, ranks)
     if cut is not None:
-        ranks = [RankPlan(r.rank, r.shards, r.samples, r.workers, r.available, min(r.available, cut)) for r in ranks]
+        ranks = [replace(r, batches=min(r.available, cut)) for r in ranks]
     return Plan(
         nshards=len(nsamples),
         world=world,
-        nworkers=nw,
+        nworkers=workers,
         batch_size=batch_size,
         partial=partial,
         dsrepeat=dsrepeat,
@@ -195,17 +175,56 @@ def plan(
     )
 
 
+def _plan_rank(
+    nsamples: Sequence[int],
+    rank: int,
+    world: int,
+    nworkers: int,
+    batch_size: int,
+    *,
+    partial: bool,
+    dsrepeat: int,
+    rebatch: bool,
+) -> RankPlan:
+    """One rank's shards, its workers' shares, and the batches its loader yields before any cut."""
+    rank_shards = split_by_rank(range(len(nsamples)), rank, world)
+    workers = []
+    for worker in range(nworkers):
+        shards = tuple(split_by_worker(rank_shards, worker, nworkers))
+        samples = dsrepeat * sum(nsamples[i] for i in shards)
+        workers.append(WorkerPlan(worker, shards, samples, nbatches_of(samples, batch_size, partial)))
+    samples = sum(w.samples for w in workers)
+    if rebatch and partial:
+        available = nbatches_of(samples, batch_size, partial)
+    else:
+        # Without partial batches the workers emit only full ones, so re-batching keeps the count.
+        available = sum(w.batches for w in workers)
+    return RankPlan(rank, tuple(rank_shards), samples, tuple(workers), available, available)
+
+
+def _resolve_cut(nbatches: int | str | None, ranks: Sequence[RankPlan]) -> int | None:
+    """The cut as a number: "auto" is the most every rank reaches; None is no cut."""
+    if nbatches == "auto":
+        return min(r.available for r in ranks)
+    if nbatches is None:
+        return None
+    cut = int(nbatches)
+    if cut < 1:
+        raise ValueError(f"nbatches must be >= 1 or auto, got {nbatches}")
+    return cut
+
+
 def suggest_dsrepeat(p: Plan, nbatches: int, limit: int = 1000) -> int | None:
     """The smallest dsrepeat with which every rank reaches nbatches, or None."""
     per_pass = [r.samples // p.dsrepeat for r in p.ranks]
     if min(per_pass) == 0:
         return None
     # Each rank's batch count grows about linearly with dsrepeat; start at the estimate.
-    k = max(1, math.ceil(nbatches * p.batch_size / min(per_pass)) - 1)
-    while k <= limit:
-        if min(_available_with(p, k)) >= nbatches:
-            return k
-        k += 1
+    dsrepeat = max(1, math.ceil(nbatches * p.batch_size / min(per_pass)) - 1)
+    while dsrepeat <= limit:
+        if min(_available_with(p, dsrepeat)) >= nbatches:
+            return dsrepeat
+        dsrepeat += 1
     return None
 
 
