@@ -19,10 +19,11 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.conftest import write_tiny_shards
-from wdsdist import jpegcrop, synthetic
+from wdsdist.data import jpegcrop
+from wdsdist.data.jpegcrop import CropDecoder, JpegError, crop_decoder, region
+from wdsdist.data.pipeline import LoaderConfig, _transform, decode_sample, make_loader
 from wdsdist.errors import DataError
-from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder, region
-from wdsdist.pipeline import LoaderConfig, _transform, decode_sample, make_loader
+from wdsdist.tools import synthetic
 
 LIB = jpegcrop.load()
 # Only a machine without a C compiler or libjpeg's headers and library may skip these; any other

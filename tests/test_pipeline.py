@@ -11,9 +11,8 @@ import webdataset as wds
 from PIL import Image
 
 from tests.conftest import jpeg
-from wdsdist import shardspec
-from wdsdist.errors import UserError
-from wdsdist.pipeline import (
+from wdsdist.data import shardspec
+from wdsdist.data.pipeline import (
     DataError,
     LoaderConfig,
     RankLoader,
@@ -23,7 +22,8 @@ from wdsdist.pipeline import (
     make_loader,
     shard_order,
 )
-from wdsdist.splits import plan
+from wdsdist.data.splits import plan
+from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose
 

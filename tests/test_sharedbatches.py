@@ -6,9 +6,9 @@ import itertools
 import pytest
 import torch
 
-from wdsdist import shardspec
-from wdsdist.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
-from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data import shardspec
+from wdsdist.data.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
+from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
 
 
 def images(value: int, n: int = 3) -> list[torch.Tensor]:

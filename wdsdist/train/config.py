@@ -25,8 +25,8 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from wdsdist.data.httpopen import DEFAULT_MIN_RATE
 from wdsdist.errors import DataError, JobError, UserError, die
-from wdsdist.httpopen import DEFAULT_MIN_RATE
 
 
 class LoaderMode(Enum):
@@ -128,7 +128,7 @@ class LoaderSection:
     shuffle_buffer: int = 1000  # raw samples per worker
     cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
     prefetch: int = 2  # batches per worker
-    decode_region: bool = True  # decode only the training crop's region of a JPEG (wdsdist/jpegcrop.py)
+    decode_region: bool = True  # decode only the training crop's region of a JPEG (wdsdist/data/jpegcrop.py)
     decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
 
 

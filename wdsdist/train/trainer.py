@@ -28,14 +28,14 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist import distributed, faults
-from wdsdist.config import LoaderMode, OptimName, Stem, check
-from wdsdist.distributed import Dist
+from wdsdist.data.index import read_index
+from wdsdist.data.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
+from wdsdist.data.shardspec import Shard
 from wdsdist.errors import DataError, UserError
-from wdsdist.index import read_index
-from wdsdist.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
-from wdsdist.shards import check_local_output, from_synthetic
-from wdsdist.shardspec import Shard
+from wdsdist.tools.shards import check_local_output, from_synthetic
+from wdsdist.train import distributed, faults
+from wdsdist.train.config import LoaderMode, OptimName, Stem, check
+from wdsdist.train.distributed import Dist
 
 CKPT_FORMAT = "wdsdist-checkpoint-v1"
 

@@ -41,14 +41,14 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from webdataset.filters import _batched, _shuffle
 
-from wdsdist import httpopen, jpegcrop, shardspec
+from wdsdist.data import httpopen, jpegcrop, shardspec
+from wdsdist.data.index import count_samples
+from wdsdist.data.jpegcrop import CropDecoder, JpegError, crop_decoder
+from wdsdist.data.shardspec import Shard
+from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data.splits import Plan, plan, split_by_rank, split_by_worker
+from wdsdist.data.tarread import Oversized, tar_samples
 from wdsdist.errors import DataError, UserError
-from wdsdist.index import count_samples
-from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder
-from wdsdist.shardspec import Shard
-from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
-from wdsdist.splits import Plan, plan, split_by_rank, split_by_worker
-from wdsdist.tarread import Oversized, tar_samples
 
 MODES = ("repeat", "epoch", "resampled")
 
