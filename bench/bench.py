@@ -104,7 +104,8 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     from torchvision.datasets import ImageFolder
 
     if name in ("ours", "ours-cross", "ours-whole"):
-        from wdsdist.data.pipeline import LoaderConfig, make_loader
+        from wdsdist.data.options import LoaderConfig
+        from wdsdist.data.pipeline import make_loader
 
         # The trainer's loader defaults (conf: loader.*): epochless, as the trainer runs it.
         cfg = LoaderConfig(
@@ -208,14 +209,15 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     from torchvision.io import ImageReadMode, decode_image
 
     from wdsdist.data import shardspec
+    from wdsdist.data.decode import decode_sample, make_transform
     from wdsdist.data.jpegcrop import crop_decoder
-    from wdsdist.data.pipeline import LoaderConfig, _transform, decode_sample
+    from wdsdist.data.options import LoaderConfig
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     url = shardspec.expand(info["index"])[0].url
     samples = list(wds.WebDataset(url, shardshuffle=False, empty_check=False))  # in memory: no I/O
     cfg = LoaderConfig(batch_size=64, image_size=224)
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     if region:
         crop = crop_decoder(transform, cfg.decode_downscale)
         if crop is None:

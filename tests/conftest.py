@@ -45,9 +45,9 @@ def write_tiny_shards(outdir: Path, counts: list[int], prefix: str = "tiny", siz
 def fresh_skip_warnings():
     """The loader prints the first 20 skip warnings of a process: each test starts its own count,
     since in-process loaders (workers=0) share pytest's process."""
-    from wdsdist.data import pipeline
+    from wdsdist.data import workers
 
-    pipeline._warned[0] = 0
+    workers._warned[0] = 0
 
 
 @pytest.fixture

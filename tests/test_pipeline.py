@@ -12,18 +12,12 @@ from PIL import Image
 
 from tests.conftest import jpeg
 from wdsdist.data import shardspec
-from wdsdist.data.pipeline import (
-    DataError,
-    LoaderConfig,
-    RankLoader,
-    ResumePoint,
-    check_layout,
-    make_eval_loader,
-    make_loader,
-    shard_order,
-)
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
+from wdsdist.data.resume import ResumePoint
 from wdsdist.data.splits import plan
-from wdsdist.errors import UserError
+from wdsdist.data.stream import shard_order
+from wdsdist.errors import DataError, UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose
 

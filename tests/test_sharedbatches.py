@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from wdsdist.data import shardspec
-from wdsdist.data.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
+from wdsdist.data.batches import collate_samples, unbatch_samples
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
 from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
 
 

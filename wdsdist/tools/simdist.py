@@ -341,7 +341,9 @@ def simulate_real(
 ) -> RealRun:
     """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
     access = access or Access()
-    from wdsdist.data.pipeline import DataError, LoaderConfig, RankLoader
+    from wdsdist.data.options import LoaderConfig
+    from wdsdist.data.pipeline import RankLoader
+    from wdsdist.errors import DataError
 
     s, shards = sim.settings, sim.layout.shards
     if shards is None:

@@ -29,7 +29,8 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 
 from wdsdist.data.index import read_index
-from wdsdist.data.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import RankLoader, make_eval_loader, make_loader, resolve_shards
 from wdsdist.data.shardspec import Shard
 from wdsdist.errors import DataError, UserError
 from wdsdist.tools.shards import check_local_output, from_synthetic
