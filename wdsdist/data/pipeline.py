@@ -202,8 +202,6 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
         if problems:
             raise UserError(problems[0])
         return None
-    if cfg.nbatches is not None and not epoch_mode:
-        raise UserError(f"nbatches={cfg.nbatches} only applies to loader.mode=epoch (mode is {cfg.mode})")
     p = plan(
         counts,
         world,

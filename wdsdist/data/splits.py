@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from wdsdist.data.options import parse_nbatches
+
 T = TypeVar("T")
 
 
@@ -170,15 +172,8 @@ def plan(
             # Without partial batches the workers emit only full ones, so re-batching keeps the count.
             available = sum(w.batches for w in workers)
         ranks.append(RankPlan(r, tuple(rank_shards), samples, tuple(workers), available, available))
-    cut: int | None
-    if nbatches == "auto":
-        cut = min(r.available for r in ranks)
-    elif nbatches is None:
-        cut = None
-    else:
-        cut = int(nbatches)
-        if cut < 1:
-            raise ValueError(f"nbatches must be >= 1 or auto, got {nbatches}")
+    nbatches = parse_nbatches(nbatches)  # a bad cut raises ValueError
+    cut = min(r.available for r in ranks) if nbatches == "auto" else nbatches
     if cut is not None:
         ranks = [RankPlan(r.rank, r.shards, r.samples, r.workers, r.available, min(r.available, cut)) for r in ranks]
     return Plan(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from wdsdist.data import shardspec
+from wdsdist.data.options import parse_nbatches
 from wdsdist.data.shardspec import Access, Shard
 from wdsdist.data.splits import Plan, RankPlan, nearest_divisible, plan, suggest_dsrepeat
 from wdsdist.errors import UserError
@@ -66,9 +67,10 @@ class Settings:
         for name in ("nworkers", "cross_shuffle"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        n = self.nbatches
-        if n is not None and n != "auto" and (not isinstance(n, int) or n < 1):
-            raise UserError(f"--nbatches must be an integer >= 1 or auto, got {n!r}")
+        try:
+            object.__setattr__(self, "nbatches", parse_nbatches(self.nbatches))  # frozen: set once, here
+        except ValueError as exc:
+            raise UserError(f"--nbatches {exc}") from None
 
 
 @dataclass(frozen=True)
