@@ -42,7 +42,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import webdataset as wds
-from webdataset.filters import _shuffle
 
 from wdsdist.data import jpegcrop, shardspec
 from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
@@ -68,7 +67,7 @@ class EpochShuffle:
     def __call__(self, source: Iterator) -> Iterator:
         self.epoch += 1
         rng = random.Random(f"{self.seed}:{self.epoch}")
-        return _shuffle(source, self.bufsize, min(self.bufsize, 100), rng=rng)
+        return wds.filters.shuffle(self.bufsize, min(self.bufsize, 100), rng=rng)(source)
 
 
 class RankLoader:

@@ -9,8 +9,8 @@ import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.filters import _batched, _shuffle
 
 from wdsdist.data.batches import collate
 from wdsdist.data.decode import decode_sample, make_transform
@@ -76,7 +76,7 @@ class ShardStream(IterableDataset):
             samples = self._raw_samples(urls, worker, bad)
             if cfg.shuffle_buffer > 0:
                 rng = random.Random(f"{cfg.seed}:{epoch}:{self.rank}:{worker}:{k}:samples")
-                samples = _shuffle(samples, cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)
+                samples = wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(samples)
             yield from samples
 
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
@@ -128,7 +128,7 @@ class ShardStream(IterableDataset):
             shared.restart(worker)
         collation = functools.partial(collate, shared=shared, worker=worker)
         rows = self._rows(worker, nworkers, skips, decode)
-        return _batched(rows, cfg.batch_size, collation_fn=collation, partial=partial)
+        return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(self, worker: int, nworkers: int, skips: dict, decode: Callable) -> Iterator[tuple]:
         """(image, label, id, skips before it, key) rows, epoch after epoch; the samples a resumed
