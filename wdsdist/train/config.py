@@ -190,6 +190,39 @@ def _did_you_mean(key: str, parent: str, cfg_class: type | None) -> str:
     return ""
 
 
+def _hydra_line(e: BaseException) -> str | None:
+    """The line for a Hydra failure, from the attributes Hydra 1.3 gives its exceptions
+    (OverrideParseException.override, MissingConfigException.missing_cfg_file and .options);
+    a Hydra without them gets the exception's first line instead (None here)."""
+    override = getattr(e, "override", None)
+    if isinstance(e, OverrideParseException) and isinstance(override, str):
+        hint = ""
+        if any(c in override for c in "{}[],"):
+            key, _, value = override.partition("=")
+            hint = f"; quote a value with braces or commas: '{key}=\"{value}\"'"
+        return f"cannot parse {override!r}: {_first_line(getattr(e, 'message', '') or str(e))}{hint}"
+    missing = getattr(e, "missing_cfg_file", None)
+    if isinstance(e, MissingConfigException) and isinstance(missing, str) and missing:
+        group, name = os.path.dirname(missing), os.path.basename(missing)
+        options = getattr(e, "options", None)
+        available = f" (available: {', '.join(options)})" if options else ""
+        return f"{group}={name}: no such option{available}" if group else _first_line(str(e))
+    return None
+
+
+def _omegaconf_line(e: OmegaConfBaseException) -> str | None:
+    """The line for an OmegaConf failure that names its key (OmegaConf's documented full_key)."""
+    key = getattr(e, "full_key", None)
+    if not key:
+        return None
+    if isinstance(e, MissingMandatoryValue):
+        return f"{key}: missing value; give it on the command line, e.g. {key}=..."
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        parent, _, leaf = key.rpartition(".")
+        return f"{key}: no such config key{_did_you_mean(leaf, parent, getattr(e, 'object_type', None))}"
+    return f"{key}: {_first_line(getattr(e, 'msg', '') or str(e))}"  # a wrong type or value
+
+
 def one_line(exc: BaseException) -> str:
     """A Hydra or OmegaConf failure as one line that names the key."""
     chain: list[BaseException] = []
@@ -198,28 +231,14 @@ def one_line(exc: BaseException) -> str:
         chain.append(e)
         e = e.__cause__ or e.__context__
     for e in chain:
-        if isinstance(e, OverrideParseException):
-            hint = ""
-            if any(c in e.override for c in "{}[],"):
-                key, _, value = e.override.partition("=")
-                hint = f"; quote a value with braces or commas: '{key}=\"{value}\"'"
-            return f"cannot parse {e.override!r}: {_first_line(e.message)}{hint}"
-        if isinstance(e, MissingConfigException) and e.missing_cfg_file:
-            group = os.path.dirname(e.missing_cfg_file)
-            name = os.path.basename(e.missing_cfg_file)
-            options = f" (available: {', '.join(e.options)})" if e.options else ""
-            if group:
-                return f"{group}={name}: no such option{options}"
-            return _first_line(str(e))
+        line = _hydra_line(e)
+        if line:
+            return line
     for e in chain:
-        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
-            key = e.full_key
-            if isinstance(e, MissingMandatoryValue):
-                return f"{key}: missing value; give it on the command line, e.g. {key}=..."
-            if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
-                parent, _, leaf = key.rpartition(".")
-                return f"{key}: no such config key{_did_you_mean(leaf, parent, e.object_type)}"
-            return f"{key}: {_first_line(e.msg)}"  # a wrong type or value
+        if isinstance(e, OmegaConfBaseException):
+            line = _omegaconf_line(e)
+            if line:
+                return line
     return _first_line(str(exc)) or exc.__class__.__name__
 
 
@@ -234,7 +253,9 @@ def run_hydra(main: Callable[[], Any]) -> None:
     prints it.
     """
     debug = _full_traces[0] = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    # Hydra's documented debugging switch: with it Hydra re-raises instead of printing its own
+    # multi-line report, and the failure becomes one line here.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
     except (HydraException, OmegaConfBaseException) as exc:
