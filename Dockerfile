@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     WDSDIST_SYSTEM_PYTHON=1
 
-# curl: for pipe:curl shard URLs. gcc and libjpeg-turbo's headers: wdsdist/jpegcrop.c, which
+# curl: for pipe:curl shard URLs. gcc and libjpeg-turbo's headers: wdsdist/data/jpegcrop.c, which
 # decodes only the training crop's region of a JPEG. Versions follow the base image's Debian release.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -24,7 +24,7 @@ RUN pip install -r requirements.txt
 
 COPY --chown=app:app . .
 # Build jpegcrop now (into .build/), so the container never needs a writable source tree for it.
-RUN python3 -c "import sys; from wdsdist import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)" \
+RUN python3 -c "import sys; from wdsdist.data import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)" \
     && mkdir -p data outputs && chown app:app data outputs
 USER 1000:1000
 

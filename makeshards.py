@@ -16,10 +16,10 @@ import sys
 
 from tqdm import tqdm
 
-from wdsdist import shardspec
+from wdsdist.data import shardspec
+from wdsdist.data.index import count_samples, write_index
 from wdsdist.errors import CliParser, UserError, integer, run_cli
-from wdsdist.index import count_samples, write_index
-from wdsdist.shards import check_local_output, from_image_folder, from_synthetic
+from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
 
 
 def parse_args(argv=None) -> argparse.Namespace:

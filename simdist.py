@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wdsdist import simdist
+from wdsdist.data.options import parse_nbatches
 from wdsdist.errors import CliParser, UserError, integer, run_cli
+from wdsdist.tools import simdist
 
 
-def nbatches(text: str) -> int | str:
-    if text == "auto":
-        return text
+def nbatches(text: str) -> int | str | None:
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or auto, got {value}")
-    return value
+        return parse_nbatches(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from wdsdist import config
+from wdsdist.train import config
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     config.run_job(config.check, cfg, same_on_every_rank=True)  # bad values fail before torch loads
-    from wdsdist.trainer import train
+    from wdsdist.train.trainer import train
 
     config.run_job(train, cfg)
 

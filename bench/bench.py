@@ -67,8 +67,8 @@ def prepare(data: Path, n: int) -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
     from tqdm import tqdm
 
-    from wdsdist.index import index_path
-    from wdsdist.shards import Sample, ShardSink
+    from wdsdist.data.index import index_path
+    from wdsdist.tools.shards import Sample, ShardSink
 
     marker = data / f"ready-{n}.json"
     if marker.exists():
@@ -104,7 +104,8 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     from torchvision.datasets import ImageFolder
 
     if name in ("ours", "ours-cross", "ours-whole"):
-        from wdsdist.pipeline import LoaderConfig, make_loader
+        from wdsdist.data.options import LoaderConfig
+        from wdsdist.data.pipeline import make_loader
 
         # The trainer's loader defaults (conf: loader.*): epochless, as the trainer runs it.
         cfg = LoaderConfig(
@@ -119,7 +120,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
         )
         return make_loader(info["index"], 0, 1, cfg)
     if name == "seed":
-        from wdsdist import shardspec
+        from wdsdist.data import shardspec
 
         urls = [s.url for s in shardspec.expand(info["index"])]
         ds = (
@@ -207,15 +208,16 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     import webdataset as wds
     from torchvision.io import ImageReadMode, decode_image
 
-    from wdsdist import shardspec
-    from wdsdist.jpegcrop import crop_decoder
-    from wdsdist.pipeline import LoaderConfig, _transform, decode_sample
+    from wdsdist.data import shardspec
+    from wdsdist.data.decode import decode_sample, make_transform
+    from wdsdist.data.jpegcrop import crop_decoder
+    from wdsdist.data.options import LoaderConfig
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     url = shardspec.expand(info["index"])[0].url
     samples = list(wds.WebDataset(url, shardshuffle=False, empty_check=False))  # in memory: no I/O
     cfg = LoaderConfig(batch_size=64, image_size=224)
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     if region:
         crop = crop_decoder(transform, cfg.decode_downscale)
         if crop is None:

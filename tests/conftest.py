@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 
-from wdsdist import synthetic
-from wdsdist.index import index_path, write_index
+from wdsdist.data.index import index_path, write_index
+from wdsdist.tools import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,9 +45,9 @@ def write_tiny_shards(outdir: Path, counts: list[int], prefix: str = "tiny", siz
 def fresh_skip_warnings():
     """The loader prints the first 20 skip warnings of a process: each test starts its own count,
     since in-process loaders (workers=0) share pytest's process."""
-    from wdsdist import pipeline
+    from wdsdist.data import workers
 
-    pipeline._warned[0] = 0
+    workers._warned[0] = 0
 
 
 @pytest.fixture

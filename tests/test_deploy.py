@@ -160,7 +160,7 @@ def compose_config(overrides):
     """The trainer's config composed with these overrides, through its own typed schema."""
     from hydra import compose, initialize_config_dir
 
-    from wdsdist import config
+    from wdsdist.train import config
 
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):

@@ -12,9 +12,10 @@ import zlib
 import pytest
 
 from tests.conftest import jpeg
-from wdsdist import shardspec
-from wdsdist.errors import UserError
-from wdsdist.pipeline import DataError, LoaderConfig, make_eval_loader, make_loader
+from wdsdist.data import shardspec
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_eval_loader, make_loader
+from wdsdist.errors import DataError, UserError
 
 
 def cfg(**kw):
@@ -176,8 +177,9 @@ def _shard(path, samples) -> str:
 
 _READ_IN_A_CHILD = """
 import sys
-from wdsdist import shardspec
-from wdsdist.pipeline import LoaderConfig, make_eval_loader
+from wdsdist.data import shardspec
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_eval_loader
 cfg = LoaderConfig(batch_size=2, workers=int(sys.argv[2]), mode="epoch", image_size=8, with_keys=True,
                    shuffle_buffer=0, image_key="jpg;png")
 keys, bad = [], 0
@@ -207,7 +209,7 @@ def test_pngs_decode_to_the_pixels_torchvision_gave(mode):
     import torch
     from torchvision.io import ImageReadMode, decode_image
 
-    from wdsdist.pipeline import _decode_other
+    from wdsdist.data.decode import _decode_other
 
     data = _png(mode, size=24, seed=3)
     ours = _decode_other(data, "w", 10**9)
@@ -222,7 +224,7 @@ def test_a_16_bit_png_keeps_its_high_byte():
     import numpy as np
     from PIL import Image
 
-    from wdsdist.pipeline import _decode_other
+    from wdsdist.data.decode import _decode_other
 
     grey = np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257
     buf = io.BytesIO()

@@ -19,10 +19,13 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.conftest import write_tiny_shards
-from wdsdist import jpegcrop, synthetic
+from wdsdist.data import jpegcrop
+from wdsdist.data.decode import decode_sample, make_transform
+from wdsdist.data.jpegcrop import CropDecoder, JpegError, crop_decoder, region
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
 from wdsdist.errors import DataError
-from wdsdist.jpegcrop import CropDecoder, JpegError, crop_decoder, region
-from wdsdist.pipeline import LoaderConfig, _transform, decode_sample, make_loader
+from wdsdist.tools import synthetic
 
 LIB = jpegcrop.load()
 # Only a machine without a C compiler or libjpeg's headers and library may skip these; any other
@@ -89,7 +92,7 @@ def test_crop_decoder_gives_the_transforms_own_images():
     """Same seed, same image: the draws are v2.RandomResizedCrop's and v2.RandomHorizontalFlip's,
     the pixels those of the whole decode cropped, resized and flipped."""
     cfg = LoaderConfig(batch_size=4, image_size=48, crop_scale=(0.08, 1.0))
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     decoder = crop_decoder(transform, downscale=False)
     assert isinstance(decoder, CropDecoder)
     for i, (w, h) in enumerate([(120, 90), (90, 120), (203, 157), (64, 64)]):
@@ -112,27 +115,27 @@ def test_crop_decoder_gives_the_transforms_own_images():
 
 def test_crop_decoder_only_for_crop_then_flip():
     lib = LIB if not isinstance(LIB, str) else None
-    eval_transform = _transform(LoaderConfig(batch_size=4, train=False))
+    eval_transform = make_transform(LoaderConfig(batch_size=4, train=False))
     assert crop_decoder(eval_transform, downscale=True, lib=lib or "x") is None
-    assert crop_decoder(_transform(LoaderConfig(batch_size=4)), downscale=True, lib="no compiler") is None
+    assert crop_decoder(make_transform(LoaderConfig(batch_size=4)), downscale=True, lib="no compiler") is None
 
 
 @needs_lib
 def test_downscale_only_where_the_region_stays_at_least_the_output_size():
-    decoder = crop_decoder(_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=True)
+    decoder = crop_decoder(make_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=True)
     assert decoder.scale(447, 1000) == 1  # half of 447 < 224: decoded whole
     assert decoder.scale(448, 448) == 2
     assert decoder.scale(900, 1000) == 4
     assert decoder.scale(1792, 1792) == 8
     assert decoder.scale(5000, 1791) == 4
-    off = crop_decoder(_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=False)
+    off = crop_decoder(make_transform(LoaderConfig(batch_size=4, image_size=224)), downscale=False)
     assert off.scale(5000, 5000) == 1
 
 
 @needs_lib
 def test_downscaled_crops_are_close_to_the_whole_decode():
     cfg = LoaderConfig(batch_size=4, image_size=64, crop_scale=(0.5, 1.0))
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     decoder = crop_decoder(transform, downscale=True)
     data = encode(640, 480, seed=5)
     scaled = 0
@@ -162,7 +165,7 @@ def test_a_jpeg_cut_short_is_judged_by_torchvision_wherever_the_crop_falls():
     """The region decode stops after the crop's last row, so it would take a file cut short
     below the crop; such files go to torchvision's whole decode, whatever it decides."""
     cfg = LoaderConfig(batch_size=4, image_size=32)
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     decoder = crop_decoder(transform, downscale=True)
     good = encode(300, 200)
     for cut in (0.5, 0.8, 0.95):
@@ -186,7 +189,7 @@ def test_a_jpeg_libjpeg_refuses_keeps_the_draws_of_every_later_sample():
     """A CMYK JPEG (libjpeg cannot make RGB of it) is cropped from torchvision's decode with the
     crop already drawn, so it and the samples after it are those of the plain transform."""
     cfg = LoaderConfig(batch_size=4, image_size=32)
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     decoder = crop_decoder(transform, downscale=False)
     cmyk = io.BytesIO()
     Image.open(io.BytesIO(encode(120, 90, seed=1))).convert("CMYK").save(cmyk, format="JPEG", quality=90)
@@ -208,7 +211,7 @@ def test_a_jpeg_bomb_is_refused_from_its_header():
     sof = data.index(b"\xff\xc0")  # baseline frame header: length(2) precision(1) height(2) width(2)
     data[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") + (60000).to_bytes(2, "big")
     cfg = LoaderConfig(batch_size=4, image_size=32)
-    transform = _transform(cfg)
+    transform = make_transform(cfg)
     decoder = crop_decoder(transform, downscale=True)
     assert decoder.size(bytes(data)) == (60000, 60000)
     sample = {"__url__": "s.tar", "__key__": "bomb", "jpg": bytes(data), "cls": b"1"}

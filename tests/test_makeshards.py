@@ -11,10 +11,18 @@ import webdataset as wds
 from PIL import Image
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script
-from wdsdist import shardspec, synthetic
+from wdsdist.data import shardspec
+from wdsdist.data.index import read_index
 from wdsdist.errors import UserError
-from wdsdist.index import read_index
-from wdsdist.shards import Sample, ShardSink, from_image_folder, from_synthetic, image_folder_samples, write_shards
+from wdsdist.tools import synthetic
+from wdsdist.tools.shards import (
+    Sample,
+    ShardSink,
+    from_image_folder,
+    from_synthetic,
+    image_folder_samples,
+    write_shards,
+)
 
 CLASSES = ["n01440764", "n01443537", "n09999999"]
 
@@ -365,7 +373,7 @@ def test_a_fifo_named_like_an_image_is_an_unreadable_image_not_a_hang(tmp_path):
 def test_train_writes_its_synthetic_set_once_and_rewrites_it_whole(tmp_path):
     from omegaconf import OmegaConf
 
-    from wdsdist.trainer import ensure_synthetic
+    from wdsdist.train.trainer import ensure_synthetic
 
     index = tmp_path / "data" / "syn-train.index.json"
 

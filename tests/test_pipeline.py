@@ -11,19 +11,13 @@ import webdataset as wds
 from PIL import Image
 
 from tests.conftest import jpeg
-from wdsdist import shardspec
-from wdsdist.errors import UserError
-from wdsdist.pipeline import (
-    DataError,
-    LoaderConfig,
-    RankLoader,
-    ResumePoint,
-    check_layout,
-    make_eval_loader,
-    make_loader,
-    shard_order,
-)
-from wdsdist.splits import plan
+from wdsdist.data import shardspec
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
+from wdsdist.data.resume import ResumePoint
+from wdsdist.data.splits import plan
+from wdsdist.data.stream import shard_order
+from wdsdist.errors import DataError, UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT, run_script, write_tiny_shards
 from tests.test_train import free_port, overrides
-from wdsdist.index import write_index
+from wdsdist.data.index import write_index
 
 TRAIN_COUNTS = [24] * 4
 

@@ -7,9 +7,9 @@ import tarfile
 import pytest
 
 from tests.conftest import one_error_line, run_script
-from wdsdist import shardspec
+from wdsdist.data import shardspec
+from wdsdist.data.index import INDEX_KIND, count_samples, read_index
 from wdsdist.errors import UserError
-from wdsdist.index import INDEX_KIND, count_samples, read_index
 
 
 def test_brace_pattern_glob_and_list(tiny_shards):

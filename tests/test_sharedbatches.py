@@ -6,9 +6,11 @@ import itertools
 import pytest
 import torch
 
-from wdsdist import shardspec
-from wdsdist.pipeline import LoaderConfig, collate_samples, make_loader, unbatch_samples
-from wdsdist.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data import shardspec
+from wdsdist.data.batches import collate_samples, unbatch_samples
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
+from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
 
 
 def images(value: int, n: int = 3) -> list[torch.Tensor]:

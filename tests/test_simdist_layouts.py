@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from wdsdist import simdist
-from wdsdist.shardspec import expand
-from wdsdist.splits import plan
+from wdsdist.data.shardspec import expand
+from wdsdist.data.splits import plan
+from wdsdist.tools import simdist
 
 COUNTS = [7, 19, 3, 25, 12, 1, 16, 9, 22, 5, 14, 11]
 

@@ -9,7 +9,7 @@ import tarfile
 import pytest
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from wdsdist.tarread import Oversized, tar_samples
+from wdsdist.data.tarread import Oversized, tar_samples
 
 LONG = "d" * 60 + "/" + "e" * 70  # over ustar's 100-character name field
 

@@ -16,9 +16,9 @@ from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.test_faults_data import _Quiet, cfg, keys_and_bad
 from tests.test_simdist_cli import simdist as simdist_script
 from tests.test_train import overrides
-from wdsdist import shardspec
+from wdsdist.data import shardspec
+from wdsdist.data.pipeline import make_eval_loader
 from wdsdist.errors import DataError, UserError
-from wdsdist.pipeline import make_eval_loader
 
 DRIP_INTERVAL = 0.02  # seconds between the bytes a dripping server sends
 DRIP_TIMEOUT = 0.5  # http_timeout in the drip tests: each byte comes well within it

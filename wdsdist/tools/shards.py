@@ -24,9 +24,9 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
-from wdsdist import synthetic
+from wdsdist.data.index import create_new, index_bytes, index_desc, index_path, write_beside
 from wdsdist.errors import UserError
-from wdsdist.index import create_new, index_bytes, index_desc, index_path, write_beside
+from wdsdist.tools import synthetic
 
 
 @dataclass(frozen=True)

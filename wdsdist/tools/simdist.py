@@ -27,8 +27,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from wdsdist.shardspec import Access
-from wdsdist.simdist_layouts import (
+from wdsdist.data.shardspec import Access
+from wdsdist.tools.simdist_layouts import (
     DEFAULT_NSHARDS,
     DEFAULT_SAMPLES,
     IMAGE_SIZE,
@@ -41,8 +41,8 @@ from wdsdist.simdist_layouts import (
     synthetic_layout,
     write_synthetic_shards,
 )
-from wdsdist.simdist_plot import plot
-from wdsdist.simdist_simulate import (
+from wdsdist.tools.simdist_plot import plot
+from wdsdist.tools.simdist_simulate import (
     Coverage,
     RankEpoch,
     RealRun,
@@ -54,7 +54,7 @@ from wdsdist.simdist_simulate import (
     simulate_plan,
     simulate_real,
 )
-from wdsdist.simdist_text import (
+from wdsdist.tools.simdist_text import (
     SHOWN_RANKS,
     advice,
     balance_line,

@@ -9,10 +9,11 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
+from wdsdist.data.options import parse_nbatches
+from wdsdist.data.shardspec import Access
+from wdsdist.data.splits import Plan, RankPlan, plan
 from wdsdist.errors import UserError
-from wdsdist.shardspec import Access
-from wdsdist.simdist_layouts import IMAGE_SIZE, Layout
-from wdsdist.splits import Plan, RankPlan, plan
+from wdsdist.tools.simdist_layouts import IMAGE_SIZE, Layout
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ class Settings:
         for name in ("nworkers", "cross_shuffle"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        n = self.nbatches
-        if n is not None and n != "auto" and (not isinstance(n, int) or n < 1):
-            raise UserError(f"--nbatches must be an integer >= 1 or auto, got {n!r}")
+        try:
+            object.__setattr__(self, "nbatches", parse_nbatches(self.nbatches))  # frozen: set once, here
+        except ValueError as exc:
+            raise UserError(f"--nbatches {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,9 @@ def simulate_real(
 ) -> RealRun:
     """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
     access = access or Access()
-    from wdsdist.pipeline import DataError, LoaderConfig, RankLoader
+    from wdsdist.data.options import LoaderConfig
+    from wdsdist.data.pipeline import RankLoader
+    from wdsdist.errors import DataError
 
     settings, shards = sim.settings, sim.layout.shards
     if shards is None:

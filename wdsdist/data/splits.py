@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from wdsdist.data.options import parse_nbatches
+
 T = TypeVar("T")
 
 
@@ -204,14 +206,10 @@ def _plan_rank(
 
 def _resolve_cut(nbatches: int | str | None, ranks: Sequence[RankPlan]) -> int | None:
     """The cut as a number: "auto" is the most every rank reaches; None is no cut."""
+    nbatches = parse_nbatches(nbatches)  # a bad cut raises ValueError
     if nbatches == "auto":
         return min(r.available for r in ranks)
-    if nbatches is None:
-        return None
-    cut = int(nbatches)
-    if cut < 1:
-        raise ValueError(f"nbatches must be >= 1 or auto, got {nbatches}")
-    return cut
+    return nbatches
 
 
 def suggest_dsrepeat(p: Plan, nbatches: int, limit: int = 1000) -> int | None:

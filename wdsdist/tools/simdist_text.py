@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from wdsdist.simdist_simulate import Coverage, RankEpoch, RealRun, Simulation, plural, simulate_plan
-from wdsdist.splits import nearest_divisible, suggest_dsrepeat
+from wdsdist.data.splits import nearest_divisible, suggest_dsrepeat
+from wdsdist.tools.simdist_simulate import Coverage, RankEpoch, RealRun, Simulation, plural, simulate_plan
 
 SHOWN_RANKS = 32  # more ranks than this: a summary plus the first and last few (--verbose: all)
 

@@ -28,14 +28,15 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist import distributed, faults
-from wdsdist.config import LoaderMode, OptimName, Stem, check
-from wdsdist.distributed import Dist
+from wdsdist.data.index import read_index
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import RankLoader, make_eval_loader, make_loader, resolve_shards
+from wdsdist.data.shardspec import Shard
 from wdsdist.errors import DataError, UserError
-from wdsdist.index import read_index
-from wdsdist.pipeline import LoaderConfig, RankLoader, make_eval_loader, make_loader, resolve_shards
-from wdsdist.shards import check_local_output, from_synthetic
-from wdsdist.shardspec import Shard
+from wdsdist.tools.shards import check_local_output, from_synthetic
+from wdsdist.train import distributed, faults
+from wdsdist.train.config import LoaderMode, OptimName, Stem, check
+from wdsdist.train.distributed import Dist
 
 CKPT_FORMAT = "wdsdist-checkpoint-v1"
 
@@ -124,34 +125,10 @@ def ensure_synthetic(cfg: DictConfig) -> None:
 
 
 def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
-    ld = cfg.loader
-    return LoaderConfig(
-        batch_size=cfg.trainer.batch_size,
-        workers=cfg.trainer.workers,
-        mode=ld.mode.value,
-        train=True,
-        image_size=cfg.data.image_size,
-        crop_scale=tuple(cfg.data.crop_scale),
-        image_key=cfg.data.image_key,
-        label_key=cfg.data.label_key,
-        seed=seed,
-        shuffle_buffer=ld.shuffle_buffer,
-        cross_shuffle=ld.cross_shuffle,
-        partial=False,
-        nbatches=ld.nbatches,
-        dsrepeat=ld.dsrepeat,
-        prefetch=ld.prefetch,
-        decode_region=ld.decode_region,
-        decode_downscale=ld.decode_downscale,
-        pin_memory=d.device.type == "cuda",
-        strict=cfg.data.strict,
-        allow_pipe=cfg.data.allow_pipe,
-        trust_index=cfg.data.trust_index,
-        max_pixels=cfg.data.max_pixels,
-        max_member_bytes=cfg.data.max_member_bytes,
-        num_classes=cfg.data.num_classes,
-        http_timeout=cfg.data.http_timeout,
-        http_min_rate=cfg.data.http_min_rate,
+    # data and loader extend the loader's own option classes: their fields pass over by name.
+    t = cfg.trainer
+    return LoaderConfig.from_sections(
+        cfg.data, cfg.loader, batch_size=t.batch_size, workers=t.workers, seed=seed, pin_memory=d.device.type == "cuda"
     )
 
 

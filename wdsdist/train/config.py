@@ -25,14 +25,16 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from wdsdist.data.options import (
+    BATCH_RULES,
+    SAMPLE_RULES,
+    STREAM_RULES,
+    LoaderMode,
+    SampleOptions,
+    StreamOptions,
+    problems,
+)
 from wdsdist.errors import DataError, JobError, UserError, die
-from wdsdist.httpopen import DEFAULT_MIN_RATE
-
-
-class LoaderMode(Enum):
-    repeat = "repeat"  # epochless: .repeat(), the trainer counts steps
-    epoch = "epoch"  # epochs of nbatches batches on every rank
-    resampled = "resampled"  # shards drawn with replacement per rank and worker
 
 
 class OptimName(Enum):
@@ -64,25 +66,16 @@ class SyntheticConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(SampleOptions):
+    """The loader's SampleOptions (their fields and defaults live there), plus the data set."""
+
     name: str = "custom"
     train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see README: shard specs)
     val_shards: str | None = None
-    image_key: str = "jpg;jpeg;png"
-    label_key: str = "cls"
-    image_size: int = 224
-    num_classes: int = MISSING
-    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area
+    num_classes: int = MISSING  # the trainer needs it (the model's outputs); the loader checks labels against it
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
-    strict: bool = False  # a bad or missing shard or sample stops training (default: skipped, warned, counted)
-    allow_pipe: bool = False  # accept pipe: shard URLs (they run a shell command)
-    trust_index: bool = False  # an index may name absolute paths, '..', other servers (and pipe: with allow_pipe)
-    max_pixels: int = 89_478_485  # an image declaring more pixels (x frames) is a corrupt sample (decompression bomb)
-    max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
-    http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
-    http_min_rate: int = DEFAULT_MIN_RATE  # bytes/s an http(s) server must send per http_timeout spent waiting; 0: off
 
 
 @dataclass
@@ -121,24 +114,12 @@ class TrainerConfig:
 
 
 @dataclass
-class LoaderSection:
-    mode: LoaderMode = LoaderMode.repeat
-    nbatches: str | None = None  # epoch mode: an integer, or auto (the most every rank delivers)
-    dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
-    shuffle_buffer: int = 1000  # raw samples per worker
-    cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
-    prefetch: int = 2  # batches per worker
-    decode_region: bool = True  # decode only the training crop's region of a JPEG (wdsdist/jpegcrop.py)
-    decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
-
-
-@dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    loader: LoaderSection = field(default_factory=LoaderSection)
+    loader: StreamOptions = field(default_factory=StreamOptions)  # its fields: wdsdist/data/options.py
     seed: int = 0
     outputs: str = "outputs"  # run directories go here
     run_dir: str | None = None  # default: OUTPUTS/RUN_ID under torchrun with --rdzv_id, else OUTPUTS/TIMESTAMP
@@ -160,38 +141,28 @@ def check(cfg: DictConfig) -> None:
             raise UserError(f"{key}={value}: {rule}")
 
     t, d, o, ld = cfg.trainer, cfg.data, cfg.optim, cfg.loader
-    for key in ("trainer.steps", "trainer.batch_size", "trainer.log_every", "trainer.keep", "loader.dsrepeat"):
-        need(OmegaConf.select(cfg, key) >= 1, key, "must be >= 1")
-    for key in (
-        "trainer.workers",
-        "trainer.eval_every",
-        "trainer.ckpt_every",
-        "loader.shuffle_buffer",
-        "loader.cross_shuffle",
+    # The loader's own rules (data/options.py), named in config terms: batch_size and workers
+    # are trainer keys here.
+    for section, rules, prefix in (
+        (t, BATCH_RULES, "trainer."),
+        (d, SAMPLE_RULES, "data."),
+        (ld, STREAM_RULES, "loader."),
     ):
+        problem = next(problems(section, rules, prefix), None)
+        if problem is not None:
+            raise UserError(problem)
+    for key in ("trainer.steps", "trainer.log_every", "trainer.keep"):
+        need(OmegaConf.select(cfg, key) >= 1, key, "must be >= 1")
+    for key in ("trainer.eval_every", "trainer.ckpt_every"):
         need(OmegaConf.select(cfg, key) >= 0, key, "must be >= 0")
-    need(ld.prefetch >= 1, "loader.prefetch", "must be >= 1")
     need(t.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
-    need(d.max_pixels >= 1, "data.max_pixels", "must be >= 1")
-    need(d.max_member_bytes >= 1, "data.max_member_bytes", "must be >= 1")
-    need(d.http_timeout > 0, "data.http_timeout", "must be > 0 (seconds)")
-    need(d.http_min_rate >= 0, "data.http_min_rate", "must be >= 0 (bytes/s; 0: no rate check)")
     need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")
     need(t.epochs is None or ld.mode == LoaderMode.epoch, "trainer.epochs", "needs loader.mode=epoch")
-    need(d.image_size >= 8, "data.image_size", "must be >= 8")
-    need(d.num_classes >= 2, "data.num_classes", "must be >= 2")
-    need(
-        len(d.crop_scale) == 2 and 0 < d.crop_scale[0] <= d.crop_scale[1] <= 1, "data.crop_scale", "[lo, hi] in (0, 1]"
-    )
     need(len(d.mean) == 3 and len(d.std) == 3 and min(d.std) > 0, "data.mean", "mean and std need 3 values, std > 0")
     need(o.lr > 0, "optim.lr", "must be > 0")
     need(0 <= o.warmup < 1, "optim.warmup", "a fraction of trainer.steps in [0, 1)")
     need(len(o.betas) == 2, "optim.betas", "two values")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
-    if ld.nbatches is not None and ld.nbatches != "auto":
-        need(ld.nbatches.isdigit() and int(ld.nbatches) >= 1, "loader.nbatches", "an integer >= 1 or auto")
-    need(ld.nbatches is None or ld.mode == LoaderMode.epoch, "loader.nbatches", "only applies to loader.mode=epoch")
-    need(ld.dsrepeat == 1 or ld.mode == LoaderMode.epoch, "loader.dsrepeat", "only applies to loader.mode=epoch")
     need(t.resume in (None, "auto") or os.path.exists(t.resume), "trainer.resume", "no such file or directory")
     s = d.synthetic
     if s is not None:
@@ -219,6 +190,39 @@ def _did_you_mean(key: str, parent: str, cfg_class: type | None) -> str:
     return ""
 
 
+def _hydra_line(e: BaseException) -> str | None:
+    """The line for a Hydra failure, from the attributes Hydra 1.3 gives its exceptions
+    (OverrideParseException.override, MissingConfigException.missing_cfg_file and .options);
+    a Hydra without them gets the exception's first line instead (None here)."""
+    override = getattr(e, "override", None)
+    if isinstance(e, OverrideParseException) and isinstance(override, str):
+        hint = ""
+        if any(c in override for c in "{}[],"):
+            key, _, value = override.partition("=")
+            hint = f"; quote a value with braces or commas: '{key}=\"{value}\"'"
+        return f"cannot parse {override!r}: {_first_line(getattr(e, 'message', '') or str(e))}{hint}"
+    missing = getattr(e, "missing_cfg_file", None)
+    if isinstance(e, MissingConfigException) and isinstance(missing, str) and missing:
+        group, name = os.path.dirname(missing), os.path.basename(missing)
+        options = getattr(e, "options", None)
+        available = f" (available: {', '.join(options)})" if options else ""
+        return f"{group}={name}: no such option{available}" if group else _first_line(str(e))
+    return None
+
+
+def _omegaconf_line(e: OmegaConfBaseException) -> str | None:
+    """The line for an OmegaConf failure that names its key (OmegaConf's documented full_key)."""
+    key = getattr(e, "full_key", None)
+    if not key:
+        return None
+    if isinstance(e, MissingMandatoryValue):
+        return f"{key}: missing value; give it on the command line, e.g. {key}=..."
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        parent, _, leaf = key.rpartition(".")
+        return f"{key}: no such config key{_did_you_mean(leaf, parent, getattr(e, 'object_type', None))}"
+    return f"{key}: {_first_line(getattr(e, 'msg', '') or str(e))}"  # a wrong type or value
+
+
 def one_line(exc: BaseException) -> str:
     """A Hydra or OmegaConf failure as one line that names the key."""
     chain: list[BaseException] = []
@@ -227,28 +231,14 @@ def one_line(exc: BaseException) -> str:
         chain.append(e)
         e = e.__cause__ or e.__context__
     for e in chain:
-        if isinstance(e, OverrideParseException):
-            hint = ""
-            if any(c in e.override for c in "{}[],"):
-                key, _, value = e.override.partition("=")
-                hint = f"; quote a value with braces or commas: '{key}=\"{value}\"'"
-            return f"cannot parse {e.override!r}: {_first_line(e.message)}{hint}"
-        if isinstance(e, MissingConfigException) and e.missing_cfg_file:
-            group = os.path.dirname(e.missing_cfg_file)
-            name = os.path.basename(e.missing_cfg_file)
-            options = f" (available: {', '.join(e.options)})" if e.options else ""
-            if group:
-                return f"{group}={name}: no such option{options}"
-            return _first_line(str(e))
+        line = _hydra_line(e)
+        if line:
+            return line
     for e in chain:
-        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
-            key = e.full_key
-            if isinstance(e, MissingMandatoryValue):
-                return f"{key}: missing value; give it on the command line, e.g. {key}=..."
-            if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
-                parent, _, leaf = key.rpartition(".")
-                return f"{key}: no such config key{_did_you_mean(leaf, parent, e.object_type)}"
-            return f"{key}: {_first_line(e.msg)}"  # a wrong type or value
+        if isinstance(e, OmegaConfBaseException):
+            line = _omegaconf_line(e)
+            if line:
+                return line
     return _first_line(str(exc)) or exc.__class__.__name__
 
 
@@ -263,7 +253,9 @@ def run_hydra(main: Callable[[], Any]) -> None:
     prints it.
     """
     debug = _full_traces[0] = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    # Hydra's documented debugging switch: with it Hydra re-raises instead of printing its own
+    # multi-line report, and the failure becomes one line here.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
     except (HydraException, OmegaConfBaseException) as exc:

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist import httpopen
+from wdsdist.data import httpopen
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import braceexpand
 
-from wdsdist import httpopen
+from wdsdist.data import httpopen
 from wdsdist.errors import UserError
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")

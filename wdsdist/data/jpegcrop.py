@@ -49,7 +49,7 @@ _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get("WDSDIST_BUILD", Path(__file__).resolve().parent.parent / ".build"))
+    return Path(os.environ.get("WDSDIST_BUILD", Path(__file__).resolve().parents[2] / ".build"))
 
 
 def load(where: Path | None = None, cc: str | None = None) -> ctypes.CDLL | str:

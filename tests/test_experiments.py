@@ -1,0 +1,49 @@
+"""Named experiments (conf/experiment/, lightning-hydra-template style): each composes through the
+typed schema and passes the config check; smoke runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from tests.conftest import ROOT, run_script
+from tests.test_deploy import compose_config
+from wdsdist.train import config
+
+
+def test_imagenet_resnet50_is_the_readmes_imagenet_command():
+    shards = ["data.train_shards=/d/imagenet-train.index.json", "data.val_shards=/d/imagenet-val.index.json"]
+    cfg = compose_config(["+experiment=imagenet_resnet50", *shards])
+    config.check(cfg)
+    assert (cfg.data.name, cfg.data.num_classes, cfg.data.image_size, cfg.model.name) == (
+        "imagenet",
+        1000,
+        224,
+        "resnet50",
+    )
+    t = cfg.trainer
+    assert (t.batch_size, t.workers, t.steps, t.eval_every, t.ckpt_every) == (128, 8, 112600, 5000, 5000)
+    assert cfg.data.train_shards == "/d/imagenet-train.index.json" and cfg.data.synthetic is None
+    # Command-line values still win over the experiment's.
+    assert compose_config(["+experiment=imagenet_resnet50", *shards, "trainer.steps=28150"]).trainer.steps == 28150
+
+
+def test_imagenet_resnet50_needs_its_shards():
+    cfg = compose_config(["+experiment=imagenet_resnet50"])
+    with pytest.raises(MissingMandatoryValue) as missing:
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    assert config.one_line(missing.value).startswith("data.train_shards: missing value")
+
+
+def test_smoke_composes_and_runs(tmp_path):
+    cfg = compose_config(["+experiment=smoke"])
+    config.check(cfg)
+    assert cfg.data.train_shards.startswith("data/smoke/")  # not the default job's synthetic shards
+    proc = run_script(str(ROOT / "train.py"), "+experiment=smoke", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == cfg.trainer.steps and summary["val_samples"] == cfg.data.synthetic.val_samples
+    assert (tmp_path / "data" / "smoke" / "smoke-train.index.json").exists()

@@ -1,0 +1,57 @@
+"""The package layout draws the architecture: data/ is the loader, train/ and tools/ use it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from wdsdist.data import jpegcrop
+
+PACKAGE = ROOT / "wdsdist"
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module a file imports, at its top or inside a function, relative imports resolved."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "data").rglob("*.py")), ids=lambda p: p.name)
+def test_data_imports_neither_train_nor_tools(path: Path) -> None:
+    wrong = sorted(n for n in imported_modules(path) if n.startswith(("wdsdist.train", "wdsdist.tools")))
+    assert wrong == [], f"{path.relative_to(ROOT)} imports {wrong}: data/ must not depend on train/ or tools/"
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The test above would pass vacuously if it missed an import form."""
+    probe = tmp_path / "wdsdist" / "data" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from ..train import config\nfrom . import splits\ndef f():\n    import wdsdist.tools.shards\n")
+    found = imported_modules(probe, tmp_path)
+    assert {"wdsdist.train.config", "wdsdist.data.splits", "wdsdist.tools.shards"} <= found
+
+
+def test_only_errors_stays_at_the_top() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "errors.py"]
+
+
+def test_jpegcrop_builds_into_the_repository_build_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library moved one folder deeper; its default build place stays <repo>/.build."""
+    monkeypatch.delenv("WDSDIST_BUILD", raising=False)
+    assert jpegcrop.build_dir() == ROOT / ".build"
+    assert jpegcrop.SOURCE.exists()

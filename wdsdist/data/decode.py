@@ -1,0 +1,136 @@
+"""One raw sample -> (uint8 CHW image, label), inside a DataLoader worker.
+
+A JPEG is decoded by torchvision's libjpeg-turbo decoder, or only where its training crop falls
+(jpegcrop); PNG, GIF and WebP by PIL. An image's size comes from its header and is refused above
+``max_pixels`` before anything is allocated. Every failure is a DataError naming the shard and key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from typing import Any
+
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from wdsdist.data import jpegcrop
+from wdsdist.data.jpegcrop import CropDecoder, JpegError
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.tarread import Oversized
+from wdsdist.errors import DataError
+
+# torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; they remain the
+# libjpeg-turbo/libpng decoders that work here, so keep the warning out of every worker's log.
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities", category=DeprecationWarning)
+# decode_image only reads its input, so it gets the sample's bytes without a copy; torch warns
+# that the buffer is read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def _find(sample: dict, keys: str) -> Any:
+    for k in keys.split(";"):
+        if k in sample:
+            return sample[k]
+    return None
+
+
+def make_transform(cfg: LoaderConfig) -> v2.Transform:
+    size = cfg.image_size
+    if cfg.train:
+        return v2.Compose(
+            [v2.RandomResizedCrop(size, scale=tuple(cfg.crop_scale), antialias=True), v2.RandomHorizontalFlip()]
+        )
+    return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
+
+
+# Not JPEG: decoded by PIL, whose decoders raise on damaged data where torchvision's libpng path
+# crashes the process (a PNG with one flipped byte in its image data: "libpng error: IDAT:
+# incorrect data check", then a segmentation fault). Only the formats torchvision read: PIL
+# also opens formats whose loading runs a program (EPS runs Ghostscript).
+_PIL_FORMATS = ("PNG", "GIF", "WEBP")
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I")
+
+
+def _decode_other(data: bytes, where: str, max_pixels: int) -> torch.Tensor:
+    """A PNG, GIF or WebP as a uint8 RGB CHW tensor, by PIL; an animation gives its first frame.
+
+    The pixel budget counts every frame, as declared by the file (the frame count of a GIF is
+    found by walking its blocks, none decoded): torchvision decoded all of them, and a 940-byte
+    GIF with a 2000x2000 canvas and 40 one-pixel frames then cost 470 MB.
+    """
+    try:
+        with Image.open(io.BytesIO(data), formats=_PIL_FORMATS) as img:
+            frames = getattr(img, "n_frames", 1)
+            width, height = img.size
+            if width * height * frames > max_pixels:
+                what = f"{width}x{height} pixels" + (f" x {frames} frames" if frames > 1 else "")
+                raise DataError(f"{where}: image of {what} exceeds max_pixels={max_pixels}")
+            img.seek(0)
+            if img.mode in _SIXTEEN_BIT:  # 16-bit grey: keep the high byte (convert() would clip)
+                img = img.convert("I").point(lambda v: v * (1 / 256))
+            rgb = img.convert("RGB")
+            pixels = torch.frombuffer(rgb.tobytes(), dtype=torch.uint8)
+    except DataError:
+        raise
+    except Image.UnidentifiedImageError:
+        raise DataError(f"{where}: cannot decode image: not a JPEG, PNG, GIF or WebP image") from None
+    except Exception as exc:  # untrusted bytes: whatever PIL raises, the sample is bad, not the run
+        raise DataError(f"{where}: cannot decode image: {exc.__class__.__name__}: {exc}") from None
+    return pixels.view(rgb.height, rgb.width, 3).permute(2, 0, 1).contiguous()
+
+
+def decode_sample(
+    sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
+) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (uint8 CHW image, label); raises DataError naming the shard and key.
+    With ``crop``, a JPEG is decoded only where ``transform``'s crop falls (jpegcrop)."""
+    where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
+    data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
+    if data is None or label is None:
+        missing = cfg.image_key if data is None else cfg.label_key
+        present = sorted(k for k in sample if not k.startswith("__"))
+        raise DataError(f"{where}: no {missing!r} in it (has {', '.join(present)})")
+    for what, value in (("image", data), ("label", label)):
+        if isinstance(value, Oversized):
+            raise DataError(f"{where}: {what} of {value.size} bytes exceeds max_member_bytes={cfg.max_member_bytes}")
+    # The label first: a bad one costs no decode.
+    try:
+        value = int(label.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise DataError(f"{where}: label {label[:20]!r} is not an integer") from None
+    if cfg.num_classes is not None and not 0 <= value < cfg.num_classes:
+        raise DataError(f"{where}: label {value} is outside 0..{cfg.num_classes - 1} (num_classes={cfg.num_classes})")
+    data = bytes(data)
+    if not data.startswith(jpegcrop.JPEG_MAGIC):
+        return transform(_decode_other(data, where, cfg.max_pixels)), value
+
+    def whole() -> torch.Tensor:
+        try:
+            return decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except (RuntimeError, ValueError) as exc:
+            raise DataError(f"{where}: cannot decode image: {exc}") from None
+
+    region = crop is not None and crop.takes(data)
+    size = None
+    if region:
+        with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
+            size = crop.size(data)
+    try:
+        # The header alone gives the size: refuse a decompression bomb before allocating it.
+        if size is None:
+            with Image.open(io.BytesIO(data), formats=("JPEG",)) as header:
+                size = header.size
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    width, height = size
+    if width * height > cfg.max_pixels:
+        raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
+    if region:
+        image = crop(data, width, height, whole)
+    else:
+        image = transform(whole())
+    return image, value

@@ -1,0 +1,173 @@
+"""The loader's typed config, and every rule on it, in one place.
+
+``SampleOptions`` and ``StreamOptions`` are also the trainer's ``data`` and ``loader`` sections:
+its Hydra schema (train/config.py) extends them, so each field, its type and its default are
+written once, here. ``problems`` checks the rules alike on a LoaderConfig, on the Hydra
+sections before anything starts, and (``parse_nbatches``) in the planner and simdist's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+from wdsdist.data import httpopen, shardspec
+from wdsdist.errors import UserError
+
+
+class LoaderMode(StrEnum):
+    repeat = "repeat"  # epochless: each worker runs from epoch to epoch, the trainer counts steps
+    epoch = "epoch"  # epochs of equal batch counts on every rank (cut to nbatches)
+    resampled = "resampled"  # shards drawn with replacement per rank and worker
+
+
+MODES = tuple(m.value for m in LoaderMode)
+
+
+@dataclass(kw_only=True)
+class SampleOptions:
+    """What a sample is, and what makes one bad (the trainer's ``data`` section)."""
+
+    image_key: str = "jpg;jpeg;png"
+    label_key: str = "cls"
+    image_size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's area range
+    num_classes: int | None = None  # labels outside [0, num_classes) are corrupt samples; None: unchecked
+    strict: bool = False  # a bad or missing shard or sample is an error (default: skipped, warned, counted)
+    allow_pipe: bool = False  # accept pipe: shard URLs (they run a shell command)
+    trust_index: bool = False  # an index may name absolute paths, '..', other servers (and pipe: with allow_pipe)
+    max_pixels: int = 89_478_485  # an image declaring more pixels (x frames) is a corrupt sample (decompression bomb)
+    max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
+    http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
+    http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s a server must send per http_timeout waited; 0: off
+
+
+@dataclass(kw_only=True)
+class StreamOptions:
+    """How a rank's shards become batches (the trainer's ``loader`` section)."""
+
+    mode: LoaderMode = LoaderMode.repeat
+    nbatches: int | str | None = None  # epoch mode: cut every rank to N batches, or auto (the most all deliver)
+    dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
+    shuffle_buffer: int = 1000  # raw samples per worker; 0: off
+    cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
+    prefetch: int = 2  # batches per worker
+    decode_region: bool = True  # decode only the training crop's region of a JPEG (jpegcrop.py)
+    decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
+
+
+@dataclass(kw_only=True)
+class LoaderConfig(SampleOptions, StreamOptions):
+    """Everything that shapes one rank's loader. Plain values only: it travels to workers."""
+
+    batch_size: int
+    workers: int = 2
+    seed: int = 0
+    train: bool = True  # train: RandomResizedCrop + flip; eval: resize + center crop
+    partial: bool = False  # keep a last, partial batch
+    pin_memory: bool = False
+    reuse_buffers: bool = True  # workers stack batches into shared buffers they reuse (sharedbatches)
+    with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
+    trace: bool = False  # print every shard open and close (simdist --showopen)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"loader.mode={self.mode!r}: must be one of {', '.join(MODES)}")
+        self.mode = LoaderMode(self.mode)
+        self.crop_scale = tuple(self.crop_scale)  # type: ignore[assignment]
+        problem = next(problems(self, LOADER_RULES), None)
+        if problem is not None:
+            raise UserError(problem)
+        self.nbatches = parse_nbatches(self.nbatches)
+
+    @classmethod
+    def from_sections(cls, *sections: Any, **given: Any) -> LoaderConfig:
+        """A LoaderConfig from sections that extend SampleOptions or StreamOptions (the Hydra
+        schema's ``data`` and ``loader``): every field a section's class shares with ours, by
+        name; ``given`` holds the rest."""
+        ours = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for section in sections:
+            values |= {name: section[name] for name in section if name in ours}
+        return cls(**(values | given))
+
+    @property
+    def access(self) -> shardspec.Access:
+        return shardspec.Access(self.allow_pipe, self.trust_index, self.http_timeout, self.http_min_rate)
+
+    @property
+    def rebatch(self) -> bool:
+        return self.cross_shuffle > 0
+
+    @property
+    def wanted_suffixes(self) -> frozenset[str]:
+        """The members a sample is read for; others are skipped unread."""
+        return frozenset(k.lower() for k in f"{self.image_key};{self.label_key}".split(";") if k)
+
+
+# ---------------------------------------------------------------- the rules, each once
+
+
+def parse_nbatches(value: int | str | None) -> int | str | None:
+    """The cut as the planner takes it: None, "auto", or an int >= 1 (given as an int or its
+    digits). Raises ValueError saying what is wrong."""
+    if value is None or value == "auto":
+        return value
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"expected an integer or auto, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"must be >= 1 or auto, got {value}")
+    return number
+
+
+def _nbatches_ok(value: Any) -> bool:
+    try:
+        parse_nbatches(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _crop_scale_ok(scale: Any) -> bool:
+    return len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1
+
+
+# (field, test, what it must be), in the order they are checked; a test sees the whole section.
+Rule = tuple[str, Callable[[Any], bool], str]
+BATCH_RULES: tuple[Rule, ...] = (
+    ("batch_size", lambda o: o.batch_size >= 1, "must be >= 1"),
+    ("workers", lambda o: o.workers >= 0, "must be >= 0"),
+)
+SAMPLE_RULES: tuple[Rule, ...] = (
+    ("image_size", lambda o: o.image_size >= 8, "must be >= 8"),
+    ("crop_scale", lambda o: _crop_scale_ok(o.crop_scale), "[lo, hi] in (0, 1]"),
+    ("num_classes", lambda o: o.num_classes is None or o.num_classes >= 2, "must be >= 2"),
+    ("max_pixels", lambda o: o.max_pixels >= 1, "must be >= 1"),
+    ("max_member_bytes", lambda o: o.max_member_bytes >= 1, "must be >= 1"),
+    ("http_timeout", lambda o: o.http_timeout > 0, "must be > 0 (seconds)"),
+    ("http_min_rate", lambda o: o.http_min_rate >= 0, "must be >= 0 (bytes/s; 0: no rate check)"),
+)
+STREAM_RULES: tuple[Rule, ...] = (
+    ("dsrepeat", lambda o: o.dsrepeat >= 1, "must be >= 1"),
+    ("shuffle_buffer", lambda o: o.shuffle_buffer >= 0, "must be >= 0"),
+    ("cross_shuffle", lambda o: o.cross_shuffle >= 0, "must be >= 0"),
+    ("prefetch", lambda o: o.prefetch >= 1, "must be >= 1"),
+    ("nbatches", lambda o: _nbatches_ok(o.nbatches), "an integer >= 1 or auto"),
+    ("nbatches", lambda o: o.nbatches is None or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
+    ("dsrepeat", lambda o: o.dsrepeat == 1 or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
+)
+LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES
+
+
+def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterator[str]:
+    """``key=value: rule`` for each of ``rules`` that ``section`` breaks (a dataclass or its
+    Hydra node; ``prefix`` names the section in config terms, e.g. ``loader.``)."""
+    for name, ok, rule in rules:
+        if not ok(section):
+            yield f"{prefix}{name}={getattr(section, name)}: {rule}"

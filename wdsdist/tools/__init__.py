@@ -1,0 +1,1 @@
+"""Tools around the loader: simdist, shard writing, the synthetic data set."""
