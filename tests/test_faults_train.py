@@ -296,21 +296,21 @@ def save(run_dir: Path, step: int, keep: int = 3) -> str:
     import torch
     from omegaconf import OmegaConf
 
+    from wdsdist.checkpoint import save_checkpoint
     from wdsdist.distributed import Dist
-    from wdsdist.trainer import build_scheduler, save_checkpoint
 
     torch.manual_seed(step)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = OmegaConf.create({"trainer": {"workers": 1}})
     d = Dist(0, 1, 0, torch.device("cpu"))
-    return save_checkpoint(str(run_dir), step, d, model, opt, build_scheduler(opt, 10, 0.0), FakeLoader(), cfg, keep)
+    return save_checkpoint(str(run_dir), step, d, model, opt, FakeLoader(), cfg, keep)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_read(tmp_path, monkeypatch):
     import torch
 
-    from wdsdist.trainer import checkpoints, find_resume, load_checkpoint, remove_stale_tmp
+    from wdsdist.checkpoint import checkpoints, find_resume, load_checkpoint, remove_stale_tmp
 
     save(tmp_path, 2)
 
@@ -337,8 +337,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_rea
 
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    from wdsdist.checkpoint import find_resume, load_first
     from wdsdist.errors import UserError
-    from wdsdist.trainer import find_resume, load_first
 
     for step in (2, 4, 6):
         save(tmp_path, step)
@@ -421,8 +421,8 @@ class Payload:
 def test_checkpoints_load_weights_only_so_a_pickled_payload_never_runs(tmp_path):
     import torch
 
+    from wdsdist.checkpoint import CKPT_FORMAT, load_checkpoint
     from wdsdist.errors import UserError
-    from wdsdist.trainer import CKPT_FORMAT, load_checkpoint
 
     marker = tmp_path / "payload-ran"
     torch.save({"format": CKPT_FORMAT, "step": 1, "extra": Payload(marker)}, tmp_path / "evil.pt")

@@ -148,7 +148,7 @@ def reference_sums(logits: torch.Tensor, labels: torch.Tensor, num_classes: int)
 
 
 def test_eval_sums_equal_bincounts_and_need_no_values_on_the_host():
-    from wdsdist.trainer import eval_sums
+    from wdsdist.evaluate import eval_sums
 
     g = torch.Generator().manual_seed(0)
     num_classes = 7
@@ -232,7 +232,7 @@ def test_batchnorm_buffers_that_differ_become_rank_0s_on_every_rank(tmp_path):
 def test_the_trainer_sends_batchnorm_buffers_in_one_broadcast_per_dtype(monkeypatch):
     from torchvision.models import resnet18
 
-    from wdsdist.trainer import share_buffers
+    from wdsdist.evaluate import share_buffers
 
     calls = []
     monkeypatch.setattr(distributed, "_active", lambda: True)
