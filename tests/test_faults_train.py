@@ -247,8 +247,7 @@ def test_bad_shards_or_layout_for_train_is_one_line_naming_the_key(shards, tmp_p
 def test_end_epoch_starts_the_next_epoch_whole(tiny_shards):
     # What every rank does when another ran out early: the next epoch is whole, and a checkpoint
     # taken in between points at its start.
-    from wdsdist.data.options import LoaderConfig
-    from wdsdist.data.pipeline import make_loader
+    from wdsdist.data.pipeline import LoaderConfig, make_loader
 
     cfg = LoaderConfig(batch_size=4, workers=0, mode="epoch", image_size=8, shuffle_buffer=0)
     loader = make_loader(str(tiny_shards([8, 8])), 0, 1, cfg)
@@ -297,21 +296,21 @@ def save(run_dir: Path, step: int, keep: int = 3) -> str:
     import torch
     from omegaconf import OmegaConf
 
+    from wdsdist.train.checkpoint import save_checkpoint
     from wdsdist.train.distributed import Dist
-    from wdsdist.train.trainer import build_scheduler, save_checkpoint
 
     torch.manual_seed(step)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = OmegaConf.create({"trainer": {"workers": 1}})
     d = Dist(0, 1, 0, torch.device("cpu"))
-    return save_checkpoint(str(run_dir), step, d, model, opt, build_scheduler(opt, 10, 0.0), FakeLoader(), cfg, keep)
+    return save_checkpoint(str(run_dir), step, d, model, opt, FakeLoader(), cfg, keep)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_read(tmp_path, monkeypatch):
     import torch
 
-    from wdsdist.train.trainer import checkpoints, find_resume, load_checkpoint, remove_stale_tmp
+    from wdsdist.train.checkpoint import checkpoints, find_resume, load_checkpoint, remove_stale_tmp
 
     save(tmp_path, 2)
 
@@ -339,7 +338,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_rea
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
     from wdsdist.errors import UserError
-    from wdsdist.train.trainer import find_resume, load_first
+    from wdsdist.train.checkpoint import find_resume, load_first
 
     for step in (2, 4, 6):
         save(tmp_path, step)
@@ -423,7 +422,7 @@ def test_checkpoints_load_weights_only_so_a_pickled_payload_never_runs(tmp_path)
     import torch
 
     from wdsdist.errors import UserError
-    from wdsdist.train.trainer import CKPT_FORMAT, load_checkpoint
+    from wdsdist.train.checkpoint import CKPT_FORMAT, load_checkpoint
 
     marker = tmp_path / "payload-ran"
     torch.save({"format": CKPT_FORMAT, "step": 1, "extra": Payload(marker)}, tmp_path / "evil.pt")

@@ -148,7 +148,7 @@ def reference_sums(logits: torch.Tensor, labels: torch.Tensor, num_classes: int)
 
 
 def test_eval_sums_equal_bincounts_and_need_no_values_on_the_host():
-    from wdsdist.train.trainer import eval_sums
+    from wdsdist.train.evaluate import eval_sums
 
     g = torch.Generator().manual_seed(0)
     num_classes = 7
@@ -176,20 +176,20 @@ def test_eval_sums_equal_bincounts_and_need_no_values_on_the_host():
 
 
 def test_a_batch_stacked_without_a_free_shared_buffer_is_pinned_when_pin_memory_is_set(monkeypatch):
-    from wdsdist.data import batches
+    from wdsdist.data import pipeline
     from wdsdist.data.sharedbatches import SharedBatches
 
     pinned = []
-    monkeypatch.setattr(batches, "pin", lambda t: pinned.append(t) or t.clone())  # pin_memory needs CUDA
+    monkeypatch.setattr(pipeline, "pin", lambda t: pinned.append(t) or t.clone())  # pin_memory needs CUDA
     shared = SharedBatches(1, 1, (2, 3, 4, 4))  # never restarted: no buffer is free
     rows = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i, (0, 0, i), (0, 0), None) for i in range(2)]
 
-    [batch] = batches.finish_batches([batches.collate(rows, shared)], shared, pin_memory=True)
+    [batch] = pipeline.finish_batches([pipeline.collate(rows, shared)], shared, pin_memory=True)
     assert len(pinned) == 1 and torch.equal(pinned[0], batch["image"])
     assert batch["image"].shape == (2, 3, 4, 4) and batch["label"].tolist() == [0, 1]
 
-    list(batches.finish_batches([batches.collate(rows, shared)], shared, pin_memory=False))
-    list(batches.finish_batches([batches.collate(rows, None)], None, pin_memory=True))  # the DataLoader pins these
+    list(pipeline.finish_batches([pipeline.collate(rows, shared)], shared, pin_memory=False))
+    list(pipeline.finish_batches([pipeline.collate(rows, None)], None, pin_memory=True))  # the DataLoader pins these
     assert len(pinned) == 1
 
 
@@ -232,7 +232,7 @@ def test_batchnorm_buffers_that_differ_become_rank_0s_on_every_rank(tmp_path):
 def test_the_trainer_sends_batchnorm_buffers_in_one_broadcast_per_dtype(monkeypatch):
     from torchvision.models import resnet18
 
-    from wdsdist.train.trainer import share_buffers
+    from wdsdist.train.evaluate import share_buffers
 
     calls = []
     monkeypatch.setattr(distributed, "_active", lambda: True)

@@ -120,7 +120,8 @@ def test_one_process_writes_tensorboard_checkpoints_and_counts_every_val_sample(
     assert sorted(p.name for p in run.glob("ckpt-*.pt")) == ["ckpt-0000002.pt", "ckpt-0000004.pt"]
     ckpt = load(run / "latest.pt")
     assert ckpt["step"] == 4 and ckpt["world"] == 1
-    assert {"model", "optimizer", "scheduler", "rng", "loader", "config"} <= ckpt.keys()
+    # No scheduler state: the learning rate is a function of the step.
+    assert {"model", "optimizer", "rng", "loader", "config"} <= ckpt.keys() and "scheduler" not in ckpt
     assert ckpt["config"]["trainer"]["steps"] == 4
     assert ckpt["loader"][0]["point"]["epoch"] == 0
     assert "steps: 4" in (run / "config.yaml").read_text()
@@ -136,7 +137,7 @@ def test_resume_continues_at_the_saved_step_with_the_same_state(shards, tmp_path
     summary = train(shards, b, f"trainer.resume={a / 'ckpt-0000004.pt'}", "trainer.steps=4", *common)
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 4
     saved, again = load(a / "ckpt-0000004.pt"), load(b / "ckpt-0000004.pt")
-    for key in ("step", "model", "optimizer", "scheduler", "loader"):
+    for key in ("step", "model", "optimizer", "loader"):
         assert_same(saved[key], again[key], key)
 
     # Resuming mid-run continues the optimizer (AdamW counts its steps) and the loader exactly
@@ -146,12 +147,68 @@ def test_resume_continues_at_the_saved_step_with_the_same_state(shards, tmp_path
     resumed, straight = load(c / "ckpt-0000004.pt"), load(a / "ckpt-0000004.pt")
     assert resumed["step"] == 4
     assert {int(s["step"]) for s in resumed["optimizer"]["state"].values()} == {4}
-    assert resumed["scheduler"]["last_epoch"] == 4
+    assert resumed["optimizer"]["param_groups"][0]["lr"] == straight["optimizer"]["param_groups"][0]["lr"]
     assert_same(resumed["loader"], straight["loader"], "loader")
 
     # resume=auto picks up the run directory's latest checkpoint.
     summary = train(shards, a, "trainer.resume=auto", "trainer.steps=6", *common)
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+
+
+def old_factor(steps: int, warmup_frac: float):
+    """The LambdaLR factor the trainer used before its learning rate became a function of the step."""
+    import math
+
+    warmup = int(steps * warmup_frac)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+@pytest.mark.parametrize("steps,warmup", [(300, 0.05), (4, 0.05), (10, 0.0), (7, 0.5)])
+def test_the_learning_rate_of_each_step_is_the_lambdalr_value_it_replaced_bit_for_bit(steps, warmup):
+    from wdsdist.train.model import lr_at
+
+    base = 0.1 * 64 / 256
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=base)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, old_factor(steps, warmup))
+    for step in range(steps + 2):  # LambdaLR's lr for step s is the one in effect before its s-th step()
+        assert lr_at(step, base, steps, warmup) == opt.param_groups[0]["lr"] == sched.get_last_lr()[0], step
+        opt.step()
+        sched.step()
+
+
+def test_a_checkpoint_with_scheduler_state_from_before_resumes_at_this_runs_learning_rate(shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from wdsdist.train.model import lr_at
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(shards, a, "trainer.steps=4", "trainer.ckpt_every=2")
+    # What the trainer wrote before: LambdaLR's state, and its initial_lr in the optimizer's groups
+    # (here of another lr: neither may be what the resumed run uses).
+    ckpt = load(a / "ckpt-0000002.pt")
+    ckpt["scheduler"] = {"base_lrs": [0.5], "last_epoch": 2, "_step_count": 3, "_last_lr": [0.25], "lr_lambdas": [None]}
+    for group in ckpt["optimizer"]["param_groups"]:
+        group["initial_lr"], group["lr"] = 0.5, 0.25
+    torch.save(ckpt, tmp_path / "old.pt")
+
+    summary = train(shards, b, f"trainer.resume={tmp_path / 'old.pt'}", "trainer.steps=4", "optim.lr=0.2")
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    base = 0.2 * 8 / 256  # this run's lr and global batch
+    saved = load(b / "ckpt-0000004.pt")
+    assert "scheduler" not in saved
+    assert [g["lr"] for g in saved["optimizer"]["param_groups"]] == [lr_at(3, base, 4, 0.05)]  # its last step's
+    assert all("initial_lr" not in g for g in saved["optimizer"]["param_groups"])
+    events = EventAccumulator(str(b), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/lr")]  # after each step: the next step's
+    assert logged == [(s, pytest.approx(lr_at(s, base, 4, 0.05), rel=1e-6)) for s in (3, 4)]
 
 
 def test_epoch_mode_runs_whole_epochs(shards, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -356,3 +357,28 @@ def shared_run_id() -> str | None:
     rendezvous id (``--rdzv_id``; ``--standalone`` draws one), or None when it is unset."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return None if run_id in ("", "none") else run_id
+
+
+def on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it raised UserError on any rank, every rank stops together
+    and rank 0 prints the distinct messages once (instead of one copy per rank)."""
+    try:
+        result, error = fn(), None
+    except UserError as exc:
+        result, error = None, str(exc)
+    errors = all_gather_object(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return result
+    if _active() and dist.get_rank() != 0:
+        raise SystemExit(2)
+    by_message: dict[str, list[int]] = {}
+    for rank, message in failed:
+        by_message.setdefault(message, []).append(rank)
+    if len(by_message) == 1 and len(failed) == len(errors):
+        raise UserError(failed[0][1])
+    parts = []
+    for message, ranks in list(by_message.items())[:3]:
+        who = ", ".join(map(str, ranks[:4])) + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {who}: {message}")
+    raise UserError("; ".join(parts))

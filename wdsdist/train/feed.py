@@ -1,0 +1,87 @@
+"""This rank's batches, and what the ranks agree on before each step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from omegaconf import DictConfig
+
+from wdsdist.data.pipeline import RankLoader
+from wdsdist.errors import DataError
+from wdsdist.train import distributed, faults
+from wdsdist.train.config import LoaderMode
+from wdsdist.train.distributed import Dist
+from wdsdist.train.report import Reporter
+
+
+class Feed:
+    """This rank's batches, and what every rank must agree on before each step: whether any rank
+    was asked to stop, and (epoch mode) whether any rank ran out of this epoch's batches."""
+
+    def __init__(self, cfg: DictConfig, dist: Dist, loader: RankLoader, stop: faults.StopRequest, report: Reporter):
+        self.dist, self.loader, self.stop, self.report = dist, loader, stop, report
+        self.mode, self.batch_size = cfg.loader.mode, cfg.trainer.batch_size
+        self.batches: Any = None  # the loader's iterator, started at the first batch
+        self.pending: distributed.Agreement | None = None  # repeat and resampled modes: the stop flags in flight
+        self.some_have = False  # epoch mode, as of the last agreement: some rank has a batch
+        self.ended_without_step = False  # the last epoch ended before this rank trained a step of it
+
+    def next(self) -> tuple[dict | None, float]:
+        """The next batch (None: this rank's epoch is over, in epoch mode) and the seconds waited for it."""
+        if self.batches is None:
+            self.batches = iter(self.loader)
+        t0 = time.perf_counter()
+        batch = next(self.batches, None)
+        if batch is None and self.mode != LoaderMode.epoch:  # a pass that gave not one batch: this rank alone restarts
+            self.batches = iter(self.loader)
+            batch = next(self.batches, None)
+            if batch is None:
+                raise DataError(
+                    f"rank {self.dist.rank} delivers not one batch of {self.batch_size} "
+                    f"(loader.mode={self.mode.value}): its shards lost too many samples; see the warnings"
+                )
+        return batch, time.perf_counter() - t0
+
+    def agree(self, batch: dict | None) -> tuple[bool, bool]:
+        """(stop, ran out), the same on every rank."""
+        if self.mode == LoaderMode.epoch:
+            # One small all-reduce: a rank that skipped bad data runs out first, and every rank
+            # then ends the epoch with it instead of waiting for it forever.
+            stop_all, out_any, have_any = distributed.agree_max([self.stop.requested, batch is None, batch is not None])
+            self.some_have = bool(have_any)
+            if not out_any:
+                self.ended_without_step = False
+            return bool(stop_all), bool(out_any)
+        # No rank runs out here, so only the stop flags are agreed on, and that all-reduce runs
+        # while the step trains: every rank reads the one started a step ago, the same value
+        # everywhere, so all still stop at one step (one step after the signal).
+        stop_all = self.pending.result() == [1] if self.pending is not None else False
+        self.pending = distributed.Agreement([int(self.stop.requested)])
+        return stop_all, False
+
+    def end_epoch_together(self, step: int, batch: dict | None) -> None:
+        """Some rank ran out: every rank ends this epoch at this step. An epoch in which no rank
+        trained a step is an error: its shards lost too many samples."""
+        if self.ended_without_step:
+            # Every rank agreed on this: rank 0 says it once, the others leave quietly.
+            if not self.dist.is_main:
+                raise SystemExit(2)
+            raise DataError(
+                f"epoch {self.loader.tracker.epoch}: a rank delivers not one batch of {self.batch_size} "
+                f"(its shards lost too many samples; see the warnings)"
+            )
+        if self.some_have:
+            out = [r for r, none in enumerate(distributed.all_gather_object(batch is None)) if none]
+            self.report.line(
+                f"epoch {self.loader.tracker.epoch} ends early at step {step} on every rank: "
+                f"rank{'s' if len(out) > 1 else ''} {', '.join(map(str, out))} ran out of data before the plan's "
+                f"{self.loader.epoch_batches} batches (bad samples or shards skipped; see the warnings)"
+            )
+        self.loader.end_epoch()
+        self.batches = iter(self.loader)
+        self.ended_without_step = True
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()  # the last flags in flight: read, so nothing is left on the control group

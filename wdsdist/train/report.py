@@ -1,0 +1,288 @@
+"""What a run tells: rank 0's progress lines, train.log and TensorBoard, and the training metrics
+window every rank sums and all reduce at each log line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torchvision
+
+from wdsdist.train import distributed
+from wdsdist.train.distributed import Dist
+
+if TYPE_CHECKING:
+    from wdsdist.train.trainer import Run
+
+
+class Reporter:
+    """Rank 0's outputs: a progress bar in a terminal or plain lines in logs, train.log, TensorBoard."""
+
+    def __init__(self, dist: Dist, run_dir: str, steps: int, start: int):
+        self.main, self.steps = dist.is_main, steps
+        self.bar = self.tb = self.log = None
+        self.images_logged = False
+        if not self.main:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log = open(os.path.join(run_dir, "train.log"), "a", encoding="utf-8")
+        self.tb = SummaryWriter(log_dir=run_dir)
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def line(self, text: str, *, console: bool = True) -> None:
+        if not self.main:
+            return
+        self.log.write(text + "\n")
+        self.log.flush()
+        if not console:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def tick(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def progress(self, step: int, text: str) -> None:
+        """A progress bar update in a terminal, else a plain line."""
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.line(f"step {step} {text}", console=False)
+        else:
+            self.line(f"step {step}/{self.steps} {text}")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+
+    def first_images(self, images: torch.Tensor, step: int) -> None:
+        """The run's first training batch as an image grid (once: to see what the model sees)."""
+        if self.tb is not None and not self.images_logged:
+            grid = torchvision.utils.make_grid(images[:64], nrow=8, padding=2)
+            self.tb.add_image("train/batch", grid, step)
+        self.images_logged = True
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """A log line's metrics (``Window.reduce``) to TensorBoard and the progress line."""
+        self.scalars(step, values)
+        bad = (values["data/bad_samples"], values["data/bad_shards"], values["data/bad_shard_reads"])
+        self.progress(
+            step,
+            f"loss {values['train/loss']:.4f} acc {100 * values['train/acc']:.1f}% lr {values['train/lr']:.4g} "
+            f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
+            + (f" skipped {skipped_text(*bad, ',')}" if bad[0] or bad[2] else ""),
+        )
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        """The run's hyperparameters and final metrics for TensorBoard's HParams dashboard.
+        ``add_hparams`` writes them in a sub-run named ``run_name``; "." names the run directory
+        itself, so the dashboard links them with this run's own scalars (as before) and a reader
+        of the run directory finds them there, in a second events file."""
+        if self.tb is not None:
+            self.tb.add_hparams(hparams, metrics, run_name=".", global_step=0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.log is not None:
+            self.log.close()
+
+
+def skipped_text(samples: int, shards: int, reads: int, sep: str) -> str:
+    text = f"{samples} samples{sep} {shards} shards"
+    return text + (f" ({reads} failed reads of them)" if reads != shards else "")
+
+
+def fmt_time(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+@dataclass
+class Totals:
+    """All ranks' sums over this run, as of the last log line."""
+
+    seconds: float = 0.0  # wall time training (mean over ranks), evaluation and checkpoints excluded
+    samples: int = 0
+    wait: float = 0.0  # of those seconds, waiting for the loader
+    bad_samples: int = 0  # samples the loaders skipped
+    bad_reads: int = 0  # failed shard reads (a bad shard fails on every pass over it)
+    failed_shards: set[str] = field(default_factory=set)  # distinct shards that failed
+
+
+class Window:
+    """This rank's training metrics since the last log line, summed on the device to avoid a sync
+    per step. ``reduce()`` sums them over the ranks in one all-reduce, adds them to ``totals``,
+    returns the values to log and starts the next window."""
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self.totals = Totals()
+        self._clear()
+
+    def _clear(self) -> None:
+        zero = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        self.loss, self.correct = zero.clone(), zero.clone()
+        self.bad = torch.zeros(2, dtype=torch.int64)  # samples and shard reads the loader skipped
+        self.failed_shards: set[str] = set()  # their URLs (a bad shard counts once, not per read)
+        self.samples = 0
+        self.wait = 0.0  # seconds spent waiting for the loader
+        self.paused = 0.0  # seconds of evaluation and checkpoints, not training
+        self.start = time.perf_counter()
+
+    def add_batch(self, batch: dict) -> None:
+        """What the loader skipped before this batch (bad samples, failed shard reads)."""
+        if "bad" in batch:
+            self.bad += batch["bad"].sum(0)
+        self.failed_shards.update(batch.get("bad_shards", ()))
+
+    def add_step(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, wait: float) -> None:
+        self.loss += loss.detach().double() * len(labels)
+        self.correct += (logits.detach().argmax(1) == labels).sum()
+        self.samples += len(labels)
+        self.wait += wait
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Time spent here (evaluation, checkpoints) is not training time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - t0
+
+    def reduce(self, lr: float) -> dict[str, float]:
+        """Collective: every rank's window summed; the logged values. ``lr``: the next step's."""
+        device, world, totals = self.dist.device, self.dist.world, self.totals
+        elapsed = time.perf_counter() - self.start - self.paused
+        stats = torch.stack([self.loss, self.correct, torch.tensor(self.samples, dtype=torch.float64, device=device)])
+        extra = [self.wait, elapsed, *self.bad.tolist()]
+        stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float64, device=device)])
+        distributed.all_reduce_sum(stats)
+        loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads = stats.tolist()
+        totals.bad_samples += int(bad_samples)
+        totals.bad_reads += int(bad_reads)
+        if bad_reads:  # a shard failed on some rank: the one case worth gathering names for
+            totals.failed_shards.update(*distributed.all_gather_object(sorted(self.failed_shards)))
+        wall = elapsed_sum / world
+        totals.seconds += wall
+        totals.samples += int(samples)
+        totals.wait += wait_sum / world
+        self._clear()
+        return {
+            "train/loss": loss_sum / samples,
+            "train/acc": correct / samples,
+            "train/lr": lr,
+            "perf/samples_per_s": samples / wall,
+            "perf/data_wait": wait_sum / elapsed_sum,
+            # All ranks, since the start of this run: samples skipped, distinct shards that
+            # failed, and failed reads of them (a bad shard fails on every pass over it).
+            "data/bad_samples": totals.bad_samples,
+            "data/bad_shards": len(totals.failed_shards),
+            "data/bad_shard_reads": totals.bad_reads,
+        }
+
+
+# ---------------------------------------------------------------- the start and the end of a run
+
+
+def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None:
+    """The start-up lines: what runs where, from which checkpoint, and the loader's plan."""
+    cfg, dist, report = run.cfg, run.dist, run.report
+    restarts = distributed.restart_count()
+    for warning in resume_warnings:
+        report.line(warning, console=False)
+    if stale:
+        report.line(f"removed {len(stale)} file(s) a killed writer left: {', '.join(stale)}", console=False)
+    report.line(
+        f"run dir {run.run_dir}: {cfg.model.name} on {dist.world} x {dist.device.type}, {run.steps} steps of "
+        f"{cfg.trainer.batch_size} per rank (global {cfg.trainer.batch_size * dist.world}), lr {run.base_lr:.4g}, "
+        f"loader.mode={cfg.loader.mode.value}"
+        + (f", restart {restarts} of torchrun" if restarts else "")
+        + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
+    )
+    if run.on_device.amp_note:
+        report.line(run.on_device.amp_note)
+    if cfg.trainer.resume == "auto" and run.resume_path is None:
+        report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
+    plan = run.feed.loader.plan
+    if plan is not None:
+        report.line(
+            f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "
+            f"workers; batches per rank per pass {plan.min_available}..{plan.max_available}"
+            + (f", cut to {plan.nbatches}" if plan.nbatches is not None else ""),
+            console=False,
+        )
+    if run.steps > run.start:
+        report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+
+
+def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
+    """summary.json. The last step always ends a metrics window, so the window's totals are the run's."""
+    totals, last_eval = run.window.totals, run.evaluator.result or {}
+    return {
+        "run_dir": run.run_dir,
+        "world": run.dist.world,
+        "steps": step,
+        "resumed_from_step": run.start if run.resume_path else None,
+        "seconds": round(time.perf_counter() - run.started, 2),
+        "samples_per_s": totals.samples / totals.seconds if totals.seconds else None,
+        "data_wait": totals.wait / totals.seconds if totals.seconds else None,
+        "val_top1": last_eval.get("top1"),
+        "val_loss": last_eval.get("loss"),
+        "val_samples": last_eval.get("samples"),
+        "val_class_samples": last_eval.get("class_samples"),
+        "skipped_samples": totals.bad_samples,
+        "skipped_shards": len(totals.failed_shards),  # distinct shards
+        "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
+        "rank_steps": [s for s, _ in fingerprints],
+        "rank_params": [f for _, f in fingerprints],
+        "checkpoint": run.checkpointer.path,
+    }
+
+
+def hparams_of(run: Run) -> dict[str, Any]:
+    """The hyperparameters TensorBoard's HParams dashboard compares runs by."""
+    cfg = run.cfg
+    return {
+        "model": cfg.model.name,
+        "optim": cfg.optim.name.value,
+        "lr": run.base_lr,
+        "batch_size": cfg.trainer.batch_size,
+        "global_batch": cfg.trainer.batch_size * run.dist.world,
+        "world": run.dist.world,
+        "steps": run.steps,
+        "image_size": cfg.data.image_size,
+        "loader_mode": cfg.loader.mode.value,
+        "data": cfg.data.name,
+    }
+
+
+def done_line(summary: dict) -> str:
+    parts = [f"done: {summary['steps']} steps in {fmt_time(summary['seconds'])}"]
+    if summary["samples_per_s"]:
+        parts.append(f"{summary['samples_per_s']:.0f} samples/s, data-wait {100 * summary['data_wait']:.1f}%")
+    if summary["val_top1"] is not None:
+        parts.append(f"val top-1 {100 * summary['val_top1']:.2f}% ({summary['val_samples']} samples)")
+    bad = (summary["skipped_samples"], summary["skipped_shards"], summary["skipped_shard_reads"])
+    if bad[0] or bad[2]:
+        parts.append(f"skipped {skipped_text(*bad, ' and')}")
+    parts.append(f"run dir {summary['run_dir']}")
+    return ", ".join(parts)
