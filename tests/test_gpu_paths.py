@@ -176,20 +176,20 @@ def test_eval_sums_equal_bincounts_and_need_no_values_on_the_host():
 
 
 def test_a_batch_stacked_without_a_free_shared_buffer_is_pinned_when_pin_memory_is_set(monkeypatch):
-    from wdsdist.data import pipeline
+    from wdsdist.data import batches
     from wdsdist.data.sharedbatches import SharedBatches
 
     pinned = []
-    monkeypatch.setattr(pipeline, "pin", lambda t: pinned.append(t) or t.clone())  # pin_memory needs CUDA
+    monkeypatch.setattr(batches, "pin", lambda t: pinned.append(t) or t.clone())  # pin_memory needs CUDA
     shared = SharedBatches(1, 1, (2, 3, 4, 4))  # never restarted: no buffer is free
     rows = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i, (0, 0, i), (0, 0), None) for i in range(2)]
 
-    [batch] = pipeline.finish_batches([pipeline.collate(rows, shared)], shared, pin_memory=True)
+    [batch] = batches.finish_batches([batches.collate(rows, shared)], shared, pin_memory=True)
     assert len(pinned) == 1 and torch.equal(pinned[0], batch["image"])
     assert batch["image"].shape == (2, 3, 4, 4) and batch["label"].tolist() == [0, 1]
 
-    list(pipeline.finish_batches([pipeline.collate(rows, shared)], shared, pin_memory=False))
-    list(pipeline.finish_batches([pipeline.collate(rows, None)], None, pin_memory=True))  # the DataLoader pins these
+    list(batches.finish_batches([batches.collate(rows, shared)], shared, pin_memory=False))
+    list(batches.finish_batches([batches.collate(rows, None)], None, pin_memory=True))  # the DataLoader pins these
     assert len(pinned) == 1
 
 
