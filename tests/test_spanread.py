@@ -249,3 +249,59 @@ def test_an_http_span_cut_short_by_a_wrong_end_offset_fails_instead_of_losing_sa
         server.shutdown()
         server.server_close()
     assert log == [("/odd.tar", f"bytes=0-{good[3] - 1}")]
+
+
+class _WrongPart(_Quiet):
+    """Answers a Range request with another part than the one asked for."""
+
+    def do_GET(self):
+        data = (Path(self.directory) / self.path.lstrip("/")).read_bytes()
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes 0-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_server_sending_another_part_than_asked_fails_naming_it(shard_files):
+    raw, folder = shard_files
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_WrongPart, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/odd.tar"
+        with pytest.raises(OSError, match=r"asked for bytes from \d+, the server sent Content-Range 'bytes 0-"):
+            list(read_span(Shard(url, N, table(raw, 1)), 5, 6, ACCESS))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_range_request_keeps_its_range_through_a_redirect(shard_files):
+    raw, folder = shard_files
+    server, base, log = serve(folder, True)
+    try:
+        redirect = type("Redirect", (_Ranged,), {"log": log})
+
+        def do_get(self):
+            self.log.append((self.path, self.headers.get("Range")))
+            self.send_response(302)
+            self.send_header("Location", f"{base}/odd.tar")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        redirect.do_GET = do_get
+        front = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(redirect, directory=str(folder)))
+        threading.Thread(target=front.serve_forever, args=(0.05,), daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{front.server_address[1]}/moved.tar"
+            shard = Shard(url, N, table(raw, 1))
+            assert list(read_span(shard, 5, 7, ACCESS)) == reference(raw, url)[5:7]
+        finally:
+            front.shutdown()
+            front.server_close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    offsets = sample_offsets(io.BytesIO(raw))
+    asked = f"bytes={offsets[5]}-{offsets[7] - 1}"
+    assert log == [("/moved.tar", asked), ("/odd.tar", asked)]
