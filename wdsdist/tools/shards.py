@@ -1,6 +1,6 @@
 """Write WebDataset shards (plus their index) from an ImageFolder tree or the synthetic set.
 
-Longer than our ~400-line guide (about 450): the atomic set writer (ShardSink: temporaries,
+Longer than our ~400-line guide (about 490): the atomic set writer (ShardSink: temporaries,
 commit by renames under a lock, rollback) and the source walk that stays inside --source are
 the two halves of one guarantee, "a re-run loses nothing and reads and writes only where told";
 the walk is the candidate to move out next."""
