@@ -17,7 +17,7 @@ import sys
 from tqdm import tqdm
 
 from wdsdist.data import shardspec
-from wdsdist.data.index import count_samples, write_index
+from wdsdist.data.index import OFFSET_EVERY, count_samples, local_sample_offsets, write_index
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
 
@@ -36,12 +36,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--split", choices=["train", "val"], default="train", help="synthetic split (default: train)")
     p.add_argument("--size", type=integer(1), default=64, help="synthetic image size in pixels (default: 64)")
     p.add_argument("--quality", type=integer(1), default=90, help="synthetic JPEG quality (default: 90)")
+    p.add_argument(
+        "--offset-every",
+        type=integer(0),
+        default=OFFSET_EVERY,
+        metavar="K",
+        help="index the byte offset of every K-th sample of plain tar shards, for reads from mid-shard "
+        "(0: none; default: %(default)s)",
+    )
     p.add_argument("--output", help="with --index: the index file (default: beside the first shard)")
     p.add_argument("--allow-pipe", action="store_true", help="with --index: open pipe: shards (a shell command)")
     return p.parse_args(argv)
 
 
-def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
+def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
     access = shardspec.Access(allow_pipe=allow_pipe)
     shards = shardspec.expand(spec, access=access)
     shardspec.refuse_pipes(shards, access)  # counting opens every shard
@@ -53,8 +61,12 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
         output = os.path.join(os.path.dirname(first), f"{name}.index.json")
     if not os.path.isdir(os.path.dirname(output) or "."):
         raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
-    counts = [(s.url, count_samples(s.url)) for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0)]
-    desc = write_index(output, counts, name=name)
+    counts, offsets = [], []
+    for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0):
+        n = count_samples(s.url)
+        counts.append((s.url, n))
+        offsets.append(_offsets(s.url, n) if offset_every and os.path.isfile(s.url) else None)
+    desc = write_index(output, counts, offsets=offsets, offset_every=offset_every, name=name)
     outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
     if outside:
         print(
@@ -65,6 +77,20 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
     return desc | {"path": output}
 
 
+def _offsets(path: str, nsamples: int) -> list[int] | None:
+    """A local shard's sample offsets; None (with a note) where they would not match its count."""
+    offsets = local_sample_offsets(path)
+    if offsets is not None and len(offsets) != nsamples:
+        # tarfile's count and the loader's grouping disagree only on odd member names (a key
+        # whose file name starts with "__"): no table rather than one the reader would misplace.
+        print(
+            f"note: {path}: {len(offsets)} samples by the loader's grouping, {nsamples} counted; no offsets",
+            file=sys.stderr,
+        )
+        return None
+    return offsets
+
+
 def main() -> int:
     args = parse_args()
     # Before anything is read or opened: outputs are local files, never pipe: commands or URLs.
@@ -73,10 +99,10 @@ def main() -> int:
     elif args.output is not None:
         check_local_output(args.output, f"--output {args.output}")
     if args.index:
-        desc = index_only(args.index, args.output, args.allow_pipe)
+        desc = index_only(args.index, args.output, args.allow_pipe, args.offset_every)
         print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
         return 0
-    common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed)
+    common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed, offset_every=args.offset_every)
     if args.source:
         prefix = args.prefix or os.path.basename(os.path.normpath(args.source))
         desc = from_image_folder(args.source, args.shards, prefix, **common)

@@ -8,6 +8,10 @@ urllib, never a shell, with limits a broken or hostile server cannot get around:
     a slow reader (a worker whose batches wait in a full prefetch queue) leaves the data in the
     kernel's buffer and never trips it; a deadline per shard would, or would have to be hours;
   - redirects are followed to http(s) only (urllib's default also follows ftp://).
+
+A part of a body is asked for with a Range request; a server that ignores it and sends the
+whole body (200) is read from its start with the bytes before the part dropped, so a caller
+always gets the bytes it asked for, never others.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import http.client
 import io
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -22,6 +27,8 @@ import urllib.request
 
 SCHEMES = ("http", "https")
 DEFAULT_MIN_RATE = 65536  # bytes/s: 64 streams (8 ranks x 8 workers) on a 100 Mbit/s link still get 3x this
+_CHUNK = 1 << 20  # bytes per read when dropping the start of a body whose server ignored Range
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
 class _Meter:
@@ -125,11 +132,64 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def open_url(url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> http.client.HTTPResponse:
+class _Window(io.RawIOBase):
+    """The first ``length`` bytes of a response: what a Range request asked for, where the
+    server sent more."""
+
+    def __init__(self, response: http.client.HTTPResponse, length: int) -> None:
+        self._response, self.left = response, length
+        self.headers, self.status, self.url = response.headers, response.status, response.url
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        n = min(len(buffer), self.left)
+        if n <= 0:
+            return 0
+        got = self._response.readinto(memoryview(buffer)[:n]) or 0
+        self.left -= got
+        return got
+
+    def close(self) -> None:
+        self._response.close()
+        super().close()
+
+
+def _ranged(url: str, response: http.client.HTTPResponse, start: int, end: int | None):
+    """The response to a Range request for bytes ``start`` .. ``end - 1``, reading exactly those."""
+    if response.status == 206:
+        sent = response.headers.get("Content-Range", "")
+        match = _CONTENT_RANGE.fullmatch(sent.strip())
+        if not match or int(match.group(1)) != start:
+            raise urllib.error.URLError(f"{url}: asked for bytes from {start}, the server sent Content-Range {sent!r}")
+        last = int(match.group(2))
+    else:  # the whole body: drop what comes before start (never more than a chunk held at once)
+        left = start
+        while left > 0:
+            got = len(response.read(min(left, _CHUNK)))
+            if not got:
+                raise urllib.error.URLError(f"{url}: the body ends before byte {start} (the server ignored Range)")
+            left -= got
+        last = None
+    if end is not None and (last is None or last >= end):
+        return _Window(response, end - start)
+    return response
+
+
+def open_url(
+    url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE, *, start: int = 0, end: int | None = None
+) -> http.client.HTTPResponse | io.RawIOBase:
     """Open an http(s) URL for reading with the limits above (``min_rate`` 0: no rate check).
-    Raises OSError (URLError, HTTPError, TimeoutError) naming what went wrong."""
+    ``start``, ``end``: only the body's bytes ``start`` .. ``end - 1`` (``end`` None: to its end),
+    by a Range request. Raises OSError (URLError, HTTPError, TimeoutError) naming what went wrong."""
     if urllib.parse.urlsplit(url).scheme.lower() not in SCHEMES:
         raise urllib.error.URLError(f"not an http(s) URL: {url}")
+    if start < 0 or (end is not None and end <= start):
+        raise ValueError(f"{url}: no bytes in the range {start} .. {end}")
+    request = urllib.request.Request(url)
+    if start or end is not None:
+        request.add_header("Range", f"bytes={start}-{'' if end is None else end - 1}")
     opener = urllib.request.OpenerDirector()
     # Only these handlers: no ftp:, file: or data: URL is ever opened, whatever a server says.
     for handler in (
@@ -142,7 +202,14 @@ def open_url(url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> http
         urllib.request.HTTPErrorProcessor(),
     ):
         opener.add_handler(handler)
-    return opener.open(url, timeout=timeout)
+    response = opener.open(request, timeout=timeout)
+    if not (start or end is not None):
+        return response
+    try:
+        return _ranged(url, response, start, end)
+    except BaseException:
+        response.close()
+        raise
 
 
 def read_capped(url: str, limit: int, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> bytes:

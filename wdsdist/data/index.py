@@ -12,10 +12,13 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen
+from wdsdist.data import httpopen, tarread
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
+# Every 16th sample's byte offset: ImageNet's index grows from 60 KB to about 1 MB, and a read
+# from mid-shard passes over at most 15 samples' headers (locally) or bytes (http) to its start.
+OFFSET_EVERY = 16
 HTTP_TIMEOUT = 60.0  # seconds, as data.http_timeout's default
 
 
@@ -53,14 +56,33 @@ def write_beside(path: str, data: bytes) -> str:
     raise UserError(f"cannot create a temporary file beside {path}")
 
 
-def index_desc(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
-    """The index for shards, with local shard URLs relative to the index's folder."""
+def offsets_entry(offsets: Sequence[int], every: int) -> dict:
+    """An index entry's "offsets": where every ``every``-th sample's headers begin, in bytes."""
+    return {"every": every, "at": [int(o) for o in offsets[::every]]}
+
+
+def index_desc(
+    path: str,
+    shards: Sequence[tuple[str, int]],
+    *,
+    offsets: Sequence[Sequence[int] | None] | None = None,
+    offset_every: int = OFFSET_EVERY,
+    **extra: Any,
+) -> dict:
+    """The index for shards, with local shard URLs relative to the index's folder. ``offsets``:
+    per shard, the byte offset of each of its samples (None: unknown), of which the index keeps
+    every ``offset_every``-th (0: none)."""
     base = os.path.dirname(os.path.abspath(path))
     shardlist = []
-    for url, n in shards:
+    for i, (url, n) in enumerate(shards):
         if not ("://" in url or url.startswith("pipe:")):
             url = os.path.relpath(os.path.abspath(url), base)
-        shardlist.append({"url": url, "nsamples": int(n)})
+        entry = {"url": url, "nsamples": int(n)}
+        known = offsets[i] if offsets is not None else None
+        # A shard of no more than offset_every samples would get a table of one 0: no help.
+        if known is not None and 0 < offset_every < n and len(known) == n:
+            entry["offsets"] = offsets_entry(known, offset_every)
+        shardlist.append(entry)
     return {
         "__kind__": INDEX_KIND,
         "wids_version": 1,
@@ -72,12 +94,24 @@ def index_desc(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> di
 
 
 def index_bytes(desc: dict) -> bytes:
-    return (json.dumps(desc, indent=1) + "\n").encode("utf-8")
+    """The index as JSON, one shard to a line (an offset table on one line, not one per number)."""
+    placeholder = "\0shardlist\0"
+    text = json.dumps({**desc, "shardlist": placeholder}, indent=1)
+    entries = ",\n  ".join(json.dumps(e) for e in desc["shardlist"])
+    text = text.replace(json.dumps(placeholder), f"[\n  {entries}\n ]" if entries else "[]", 1)
+    return (text + "\n").encode("utf-8")
 
 
-def write_index(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
+def write_index(
+    path: str,
+    shards: Sequence[tuple[str, int]],
+    *,
+    offsets: Sequence[Sequence[int] | None] | None = None,
+    offset_every: int = OFFSET_EVERY,
+    **extra: Any,
+) -> dict:
     """Write an index (atomically) whose shard URLs are relative to its folder when they are local."""
-    desc = index_desc(path, shards, **extra)
+    desc = index_desc(path, shards, offsets=offsets, offset_every=offset_every, **extra)
     tmp = write_beside(path, index_bytes(desc))
     try:
         os.replace(tmp, path)
@@ -96,6 +130,16 @@ def read_index(path: str) -> dict:
     if desc.get("__kind__") != INDEX_KIND or "shardlist" not in desc:
         raise UserError(f"{path}: not a {INDEX_KIND} shard index")
     return desc
+
+
+def local_sample_offsets(path: str) -> list[int] | None:
+    """The byte offset of each sample of a local plain tar shard (headers only are read, member
+    data is passed by seeks); None for a compressed one, whose bytes no reader can seek to."""
+    try:
+        with open(path, "rb") as f:
+            return tarread.sample_offsets(f)
+    except (tarfile.TarError, OSError) as exc:
+        raise UserError(f"{path}: not a readable tar shard ({exc})") from None
 
 
 def count_keys(names: Iterable[str]) -> int:

@@ -1,13 +1,17 @@
 """Reading a span of a shard: its samples ``start`` to ``stop`` (sample numbers within the shard),
 for the sample-level split, where a worker starts and stops mid-shard.
 
-This first version reads and discards the samples before ``start`` (the fallback every source
-supports); seeking over member data and byte-range requests replace it where the source allows.
+The samples before ``start`` are passed over without reading their data: a local file seeks
+past each member (only headers are read); where the index gives the shard's sample offsets
+(``Shard.offsets``), the read begins at the table's last sample at or before ``start``, with
+a seek for a local file and an http ``Range: bytes=OFF-END`` request for a URL. A compressed
+shard, or a source that cannot seek, reads and drops them. Reading ends at the first header of
+sample ``stop``: nothing after the span is read beyond a buffer.
 """
 
 from __future__ import annotations
 
-import itertools
+import tarfile
 from collections.abc import Iterator
 
 from wdsdist.data.shardspec import Access, Shard
@@ -21,11 +25,43 @@ def read_span(
     access: Access,
     wanted: frozenset[str] | None = None,
     max_member: int | None = None,
+    *,
+    use_offsets: bool = True,
 ) -> Iterator[dict]:
     """Samples ``start`` .. ``stop - 1`` of ``shard`` (``stop`` None: to the shard's end), as
-    tar_samples gives them. Raises what opening or reading the shard raises."""
-    stream = open_shard(shard.url, access)
+    ``islice(tar_samples(...), start, stop)`` gives them. ``use_offsets`` False: ignore the
+    index's byte offsets (for measuring them). Raises what opening or reading the shard raises;
+    an error before the first sample read from an index's offset says so (a stale index)."""
+    if stop is not None and stop <= start:
+        return
+    table = shard.offsets if use_offsets else None
+    first, offset, end = 0, 0, None
+    if table is not None and len(table):
+        if start > 0:
+            first, offset = table.seek_point(start)
+        if stop is not None:
+            end = table.bound(stop)
+    count = None if stop is None else stop - start
+    stream = open_shard(shard.url, access, start=offset, end=end)
     try:
-        yield from itertools.islice(tar_samples(stream, shard.url, wanted, max_member), start, stop)
+        samples = tar_samples(stream, shard.url, wanted, max_member, skip=start - first, count=count)
+        got = 0
+        try:
+            for sample in samples:
+                got += 1
+                yield sample
+        except tarfile.ReadError as exc:
+            if got or not offset:
+                raise
+            raise tarfile.ReadError(
+                f"{exc}, reading from byte {offset} where the index puts sample {first} "
+                f"(a stale index? makeshards.py --index rewrites it)"
+            ) from None
+        if end is not None and count is not None and got < count:
+            # A read cut at the index's end offset that came short: a wrong offset, not a short shard.
+            raise tarfile.ReadError(
+                f"the bytes {offset} .. {end} the index gives for samples {first} .. {stop - 1} "
+                f"held only {got} of samples {start} .. {stop - 1} (a stale index? makeshards.py --index rewrites it)"
+            )
     finally:
         stream.close()

@@ -137,12 +137,13 @@ def _read_exactly(stream, n: int) -> bytes:
     return data
 
 
-def _skip(stream, n: int) -> None:
+def _skip(stream, n: int, seek_above: int = 1 << 16) -> None:
     """Pass n bytes: by seeking where the stream can, else read and dropped a chunk at a time
-    (never n bytes at once: n comes from the shard)."""
+    (never n bytes at once: n comes from the shard). Below ``seek_above`` bytes a read through
+    the buffer is cheaper than the seek that empties it."""
     if n <= 0:
         return
-    if n > 1 << 16 and getattr(stream, "seekable", lambda: False)():
+    if n > seek_above and getattr(stream, "seekable", lambda: False)():
         stream.seek(n, 1)
         return
     while n > 0:
@@ -151,11 +152,19 @@ def _skip(stream, n: int) -> None:
 
 
 def _members(
-    stream, head: bytes, wanted: frozenset[str] | None, limit: int | None
-) -> Iterator[tuple[str, str, bytes | Oversized | None]]:
-    """(key, suffix, data) for each regular sample member; data is None where the suffix is
-    not ``wanted``, an Oversized where the member is larger than ``limit`` bytes."""
+    stream, head: bytes, wanted: frozenset[str] | None, limit: int | None, skip: int = 0, count: int | None = None
+) -> Iterator[tuple[str, str, bytes | Oversized | None, int]]:
+    """(key, suffix, data, at) for each regular sample member; data is None where the suffix is
+    not ``wanted``, an Oversized where the member is larger than ``limit`` bytes; ``at`` is the
+    byte (from ``head``'s first) where the member's headers begin, its extended headers included.
+
+    ``skip``: the members of the first ``skip`` samples (runs of one key, as tar_samples groups
+    them) are passed over unread and not yielded, by seeking wherever the stream can. ``count``:
+    the stream is left at the first header of sample ``skip + count``, its data unread."""
     header, long_name, pax = head, None, {}
+    pos = at = 0
+    last, started = None, 0  # the last sample key seen, and how many samples have begun
+    end = None if count is None else skip + count
     while True:
         if len(header) < BLOCK:
             if header:
@@ -168,12 +177,14 @@ def _members(
         size = _size(_number(header[124:136]), "member")
         kind = header[156:157]
         padding = -size % BLOCK
+        pos += BLOCK
         if kind == b"S":  # GNU sparse: its data needs the sparse map, which we do not read
             raise tarfile.ReadError("GNU sparse members are not supported")
         if kind in (b"x", b"L", b"g"):
             _size(size, "extended header", limit)
             meta = _read_exactly(stream, size)
             _skip(stream, padding)
+            pos += size + padding
             if kind == b"L":
                 long_name = meta.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif kind == b"x":
@@ -192,16 +203,25 @@ def _members(
             key, suffix = base_plus_ext(name) if kind in _REGULAR else (None, None)
             if key is None or (name.startswith("__") and _META.match(name)):
                 _skip(stream, size + padding)
-            elif limit is not None and size > limit and (wanted is None or suffix.lower() in wanted):
-                _skip(stream, size + padding)
-                yield key, suffix.lower(), Oversized(size)
-            elif wanted is None or suffix.lower() in wanted:
-                data = _read_exactly(stream, size)
-                _skip(stream, padding)
-                yield key, suffix.lower(), data
             else:
-                _skip(stream, size + padding)
-                yield key, suffix.lower(), None
+                if key != last:
+                    last, started = key, started + 1
+                    if end is not None and started > end:
+                        return
+                if started <= skip:
+                    _skip(stream, size + padding, seek_above=0)
+                elif limit is not None and size > limit and (wanted is None or suffix.lower() in wanted):
+                    _skip(stream, size + padding)
+                    yield key, suffix.lower(), Oversized(size), at
+                elif wanted is None or suffix.lower() in wanted:
+                    data = _read_exactly(stream, size)
+                    _skip(stream, padding)
+                    yield key, suffix.lower(), data, at
+                else:
+                    _skip(stream, size + padding)
+                    yield key, suffix.lower(), None, at
+            pos += size + padding
+            at = pos
         header = _read_up_to(stream, BLOCK)
 
 
@@ -230,7 +250,13 @@ def _decompressed(head: bytes, stream):
 
 
 def tar_samples(
-    stream, url: str, wanted: frozenset[str] | None = None, max_member: int | None = None
+    stream,
+    url: str,
+    wanted: frozenset[str] | None = None,
+    max_member: int | None = None,
+    *,
+    skip: int = 0,
+    count: int | None = None,
 ) -> Iterator[dict]:
     """WebDataset samples ({"__key__", "__url__", suffix: bytes}) of the tar stream ``stream``.
 
@@ -238,6 +264,9 @@ def tar_samples(
     stream can seek, and appear in the sample with the value None (so an error can list them).
     ``max_member``: wanted members larger than this many bytes are skipped unread and appear as
     an ``Oversized``; extended headers larger than it fail the shard.
+    ``skip``, ``count``: only samples ``skip`` .. ``skip + count - 1`` of the stream, those
+    before passed over unread (seeking where the stream can), nothing after them read but the
+    next sample's first header.
     """
     head = _read_up_to(stream, BLOCK)
     if not (len(head) == BLOCK and _valid(head)):
@@ -250,7 +279,7 @@ def tar_samples(
     if not (len(head) == BLOCK and _valid(head)):
         raise tarfile.ReadError("invalid header")
     sample: dict | None = None
-    for key, suffix, data in _members(stream, head, wanted, max_member):
+    for key, suffix, data, _ in _members(stream, head, wanted, max_member, skip, count):
         if sample is None or key != sample["__key__"]:
             if sample is not None:
                 yield sample
@@ -262,8 +291,25 @@ def tar_samples(
         yield sample
 
 
-def open_shard(url: str, access: Access) -> io.BufferedIOBase:
-    """Open a shard for sequential reading.
+def sample_offsets(stream) -> list[int] | None:
+    """The byte offset of every sample of a plain tar stream (where the headers of its first
+    member begin), grouped as tar_samples groups them; None where the stream is not a plain tar
+    (a compressed shard has no byte offset a reader could seek to)."""
+    head = _read_up_to(stream, BLOCK)
+    if not (len(head) == BLOCK and _valid(head)):
+        return None
+    offsets, last = [], None
+    for key, _, _, at in _members(stream, head, frozenset(), None):
+        if key != last:
+            offsets.append(at)
+            last = key
+    return offsets
+
+
+def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.BufferedIOBase:
+    """Open a shard for sequential reading from byte ``start``; ``end`` (exclusive) is where the
+    caller will stop at the latest, for sources that can ask for less (an http Range request).
+    Local files seek to ``start``; sources that cannot seek read and drop the bytes before it.
 
     http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
     a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
@@ -272,11 +318,19 @@ def open_shard(url: str, access: Access) -> io.BufferedIOBase:
     WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
     """
     if url.startswith(("http://", "https://")):
-        return httpopen.open_url(url, access.http_timeout, access.http_min_rate)
+        return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=start, end=end)
     if url.startswith("pipe:"):
         if not access.allow_pipe:
             raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
-        return wds.gopen(url, "rb")
-    if shardspec.is_remote(url) or url.startswith("file:"):
-        return wds.gopen(url, "rb")
-    return open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+        stream = wds.gopen(url, "rb")
+    elif shardspec.is_remote(url) or url.startswith("file:"):
+        stream = wds.gopen(url, "rb")
+    else:
+        stream = open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+    if start:
+        try:
+            _skip(stream, start, seek_above=0)
+        except BaseException:
+            stream.close()
+            raise
+    return stream

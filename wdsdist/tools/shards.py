@@ -1,6 +1,6 @@
 """Write WebDataset shards (plus their index) from an ImageFolder tree or the synthetic set.
 
-Longer than our ~400-line guide (about 450): the atomic set writer (ShardSink: temporaries,
+Longer than our ~400-line guide (about 490): the atomic set writer (ShardSink: temporaries,
 commit by renames under a lock, rollback) and the source walk that stays inside --source are
 the two halves of one guarantee, "a re-run loses nothing and reads and writes only where told";
 the walk is the candidate to move out next."""
@@ -29,7 +29,15 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
-from wdsdist.data.index import create_new, index_bytes, index_desc, index_path, write_beside
+from wdsdist.data.index import (
+    OFFSET_EVERY,
+    create_new,
+    index_bytes,
+    index_desc,
+    index_path,
+    local_sample_offsets,
+    write_beside,
+)
 from wdsdist.errors import UserError
 from wdsdist.tools import synthetic
 
@@ -106,9 +114,11 @@ class ShardSink:
     removes the temporaries, so the shards and index in outdir stay as they were. Use it as a
     context manager."""
 
-    def __init__(self, outdir: str, prefix: str, maxcount: int, maxsize: int):
+    def __init__(self, outdir: str, prefix: str, maxcount: int, maxsize: int, offset_every: int = OFFSET_EVERY):
         if maxcount < 1 or maxsize < 1:
             raise UserError(f"--maxcount and --maxsize must be >= 1, got {maxcount} and {maxsize}")
+        if offset_every < 0:
+            raise UserError(f"--offset-every must be >= 0, got {offset_every}")
         check_local_output(outdir, f"output folder {outdir}")
         if not prefix or "/" in prefix or os.sep in prefix or prefix in (".", ".."):
             raise UserError(f"shard prefix {prefix!r} must be a plain file name (no '/')")
@@ -116,6 +126,8 @@ class ShardSink:
         self.outdir, self.prefix = outdir, prefix
         self.maxcount, self.maxsize = maxcount, maxsize
         self.counts: list[int] = []
+        self.offset_every = offset_every
+        self.offsets: list[list[int] | None] = []  # per finished shard: each sample's byte offset
         self._alive: int | None = None
         self._file: BinaryIO | None = None
         self._writer: wds.TarWriter | None = None
@@ -143,6 +155,10 @@ class ShardSink:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            if self.offset_every:
+                # Read back from the page cache, headers only: TarWriter's stream mode hides positions.
+                path = os.path.join(self.tmpdir, shard_name(self.prefix, len(self.counts)))
+                self.offsets.append(local_sample_offsets(path))
             self.counts.append(self._count)
             self._writer = self._file = None
 
@@ -186,7 +202,10 @@ class ShardSink:
             raise RuntimeError("commit() after abort()")
         index = index_path(self.outdir, self.prefix)
         final = [(os.path.join(self.outdir, shard_name(self.prefix, i)), n) for i, n in enumerate(self.counts)]
-        desc = index_desc(index, final, **({"name": self.prefix} | index_extra))
+        offsets = self.offsets if self.offset_every else None
+        desc = index_desc(
+            index, final, offsets=offsets, offset_every=self.offset_every, **({"name": self.prefix} | index_extra)
+        )
         for path, _ in final:
             if os.path.isdir(path) and not os.path.islink(path):
                 raise UserError(f"{path} is a folder where a shard goes: move it or choose another prefix")
@@ -253,11 +272,19 @@ def _fsync_dir(folder: str) -> None:
 
 
 def write_shards(
-    samples: Iterable[Sample], total: int, outdir: str, prefix: str, *, maxcount: int, maxsize: int, **index_extra
+    samples: Iterable[Sample],
+    total: int,
+    outdir: str,
+    prefix: str,
+    *,
+    maxcount: int,
+    maxsize: int,
+    offset_every: int = OFFSET_EVERY,
+    **index_extra,
 ) -> dict:
     """Write samples into shards and the index beside them, replacing the prefix's old set
     only when every sample is written; return the index."""
-    with ShardSink(outdir, prefix, maxcount, maxsize) as sink:
+    with ShardSink(outdir, prefix, maxcount, maxsize, offset_every) as sink:
         for s in tqdm(samples, total=total, desc=f"writing {prefix}", unit="img", mininterval=1.0):
             sink.write(s)
         return sink.commit(**index_extra)
@@ -396,7 +423,9 @@ def _read_image_file(source: str, path: str, label: int, classes: list[str]) -> 
     return Sample(key, ext, data, label, {"path": rel, "class": classes[label]})
 
 
-def from_image_folder(source: str, outdir: str, prefix: str, *, maxcount: int, maxsize: int, seed: int) -> dict:
+def from_image_folder(
+    source: str, outdir: str, prefix: str, *, maxcount: int, maxsize: int, seed: int, offset_every: int = OFFSET_EVERY
+) -> dict:
     """Shards of an ImageFolder tree; the index also says how many symlinks were not followed."""
     tree = image_folder_samples(source, seed)
 
@@ -411,6 +440,7 @@ def from_image_folder(source: str, outdir: str, prefix: str, *, maxcount: int, m
         prefix,
         maxcount=maxcount,
         maxsize=maxsize,
+        offset_every=offset_every,
         classes=tree.classes,
         source=os.path.abspath(source),
     )
@@ -428,6 +458,7 @@ def from_synthetic(
     split: str = "train",
     size: int = 64,
     quality: int = 90,
+    offset_every: int = OFFSET_EVERY,
 ) -> dict:
     if n < 1:
         raise UserError(f"--synthetic must be >= 1, got {n}")
@@ -453,6 +484,7 @@ def from_synthetic(
         prefix,
         maxcount=maxcount,
         maxsize=maxsize,
+        offset_every=offset_every,
         classes=list(synthetic.CLASSES),
         synthetic={"seed": seed, "split": split, "size": size},
     )
