@@ -3,6 +3,7 @@
 
 ./run train.py                                    # the embedded default: synthetic shards, CPU, minutes
 ./run train.py trainer.steps=100 model.name=resnet50
+./run train.py data=shards data.num_classes=N data.train_shards=DIR/train.index.json data.val_shards=DIR/val.index.json
 ./run torchrun --nproc_per_node=8 train.py data=imagenet data.train_shards=... data.val_shards=...
 ./run train.py --cfg job                          # print the composed config (Hydra)
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from wdsdist.train import config
@@ -17,7 +19,8 @@ from wdsdist.train import config
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    config.run_job(config.check, cfg, same_on_every_rank=True)  # bad values fail before torch loads
+    overrides = list(HydraConfig.get().overrides.task)
+    config.run_job(config.check, cfg, overrides, same_on_every_rank=True)  # bad values fail before torch loads
     from wdsdist.train.trainer import train
 
     config.run_job(train, cfg)

@@ -145,7 +145,7 @@ def test_loader_order_is_what_it_was(tiny_shards):
     "override,message",
     [
         ("data.train_shards=a-{0..1}.tar", "cannot parse 'data.train_shards=a-{0..1}.tar': mismatched input"),
-        ("data=imagenett", "data=imagenett: no such option (available: imagenet, synthetic)"),
+        ("data=imagenett", "data=imagenett: no such option (available: imagenet, shards, synthetic)"),
         ("trainer.stepz=5", "trainer.stepz: no such config key; did you mean trainer.steps?"),
         ("loader.mode=epochs", "loader.mode: Invalid value 'epochs', expected one of [repeat, epoch, resampled]"),
     ],

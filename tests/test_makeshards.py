@@ -334,7 +334,9 @@ def test_a_pipe_output_runs_nothing_and_is_one_error_line(tmp_path, script):
         args, culprit = ["--synthetic", "10", "--shards", target], f"--shards {target}"
     else:
         spec = f"{target}/x.index.json"
-        args = [f'data.train_shards="{spec}"', "data.allow_pipe=false", f"outputs={tmp_path}"]
+        # data=synthetic: the synthetic set asked to be written there (without it, shards named with the
+        # default group are refused sooner, pointing to data=shards).
+        args = ["data=synthetic", f'data.train_shards="{spec}"', "data.allow_pipe=false", f"outputs={tmp_path}"]
         culprit = f"data.train_shards={spec}"
     proc = run_script(str(ROOT / script), *args, cwd=tmp_path)
     assert proc.returncode == 2

@@ -286,7 +286,7 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
     [
         ("trainer.stepz=5", "trainer.stepz: no such config key; did you mean trainer.steps?"),
         ("trainer.steps=many", "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
-        ("data=imagenett", "data=imagenett: no such option (available: imagenet, synthetic)"),
+        ("data=imagenett", "data=imagenett: no such option (available: imagenet, shards, synthetic)"),
         ("loader.mode=epochs", "loader.mode: Invalid value 'epochs', expected one of [repeat, epoch, resampled]"),
         ("trainer.batch_size=0", "trainer.batch_size=0: must be >= 1"),
         ("data.image_size=-32", "data.image_size=-32: must be >= 8"),
@@ -294,11 +294,15 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
         ("data.max_pixels=0", "data.max_pixels=0: must be >= 1"),
         ("data.strict=maybe", "data.strict: Value 'maybe' is not a valid bool (type str)"),
         ("data.strictt=true", "data.strictt: no such config key; did you mean data.strict?"),
-        ("data=imagenet", "data.train_shards: missing value; give it on the command line, e.g. data.train_shards=..."),
         (
-            "data.train_shards=a-{0..1}.tar",
-            "cannot parse 'data.train_shards=a-{0..1}.tar': mismatched input '{' expecting <EOF>; "
-            """quote a value with braces or commas: 'data.train_shards="a-{0..1}.tar"'""",
+            "data=imagenet",
+            "data.train_shards, data.val_shards: missing values; give them on the command line, "
+            "e.g. data.train_shards=... data.val_shards=... (data.val_shards=null: no evaluation)",
+        ),
+        (
+            "data.name=a-{0..1}",
+            "cannot parse 'data.name=a-{0..1}': mismatched input '{' expecting <EOF>; "
+            """quote a value with braces or commas: 'data.name="a-{0..1}"'""",
         ),
     ],
 )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -71,7 +72,9 @@ class DataConfig(SampleOptions):
 
     name: str = "custom"
     train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see README: shard specs)
-    val_shards: str | None = None
+    # MISSING, not None: a group's `???` merged onto a default of None would leave None, and a preset
+    # that needs held-out shards would silently run without evaluation. null: no evaluation.
+    val_shards: str | None = MISSING
     num_classes: int = MISSING  # the trainer needs it (the model's outputs); the loader checks labels against it
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -132,13 +135,17 @@ def register() -> None:
 # ---------------------------------------------------------------- checks Hydra cannot express
 
 
-def check(cfg: DictConfig) -> None:
-    """Range checks that types cannot say; each error names its key."""
+def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """Range checks that types cannot say; each error names its key. ``overrides``: the command
+    line's (Hydra's overrides.task), for the rules about what the user typed."""
 
     def need(ok: bool, key: str, rule: str) -> None:
         if not ok:
             value = OmegaConf.select(cfg, key)
             raise UserError(f"{key}={value}: {rule}")
+
+    check_missing(cfg)
+    check_own_shards(cfg, overrides)
 
     t, d, o, ld = cfg.trainer, cfg.data, cfg.optim, cfg.loader
     # The loader's own rules (data/options.py), named in config terms: batch_size and workers
@@ -169,6 +176,125 @@ def check(cfg: DictConfig) -> None:
         for key in ("train_samples", "val_samples", "shard_samples"):
             need(s[key] >= 1, f"data.synthetic.{key}", "must be >= 1")
         need(s.size >= 8, "data.synthetic.size", "must be >= 8")
+
+
+SHARD_KEYS = ("data.train_shards", "data.val_shards")
+
+
+def check_missing(cfg: DictConfig) -> None:
+    """Every value a group leaves to the user (``???``) named in one line, so data=shards asks
+    for its shards and its classes at once, not one run at a time."""
+    first = {key: i for i, key in enumerate((*SHARD_KEYS, "data.num_classes"))}
+    missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: (first.get(k, len(first)), k))
+    if not missing:
+        return
+    example = " ".join(f"{key}=..." for key in missing)
+    null = " (data.val_shards=null: no evaluation)" if "data.val_shards" in missing else ""
+    if len(missing) == 1:
+        raise UserError(f"{missing[0]}: missing value; give it on the command line, e.g. {example}{null}")
+    raise UserError(f"{', '.join(missing)}: missing values; give them on the command line, e.g. {example}{null}")
+
+
+def _override_key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def check_own_shards(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Shards named on the command line with the default data group: the synthetic group would
+    write its generated images at that path, or refuse shards of one's own, and its 10 classes
+    at 32 pixels are not the user's. Point to data=shards instead of guessing num_classes."""
+    keys = [_override_key(o) for o in overrides]
+    if cfg.data.synthetic is None or "data" in keys:
+        return
+    for key in SHARD_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if key in keys and value is not None:
+            d = cfg.data
+            raise UserError(
+                f"{key}={value}: the default data=synthetic is its generated set ({d.num_classes} classes at "
+                f"{d.image_size} pixels, written there if missing); for shards of your own add data=shards "
+                f"data.num_classes=N (data=synthetic: write the synthetic set there)"
+            )
+
+
+# ---------------------------------------------------------------- brace specs on the command line
+
+
+def _is_hydra_override(text: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(text)
+    except HydraException:
+        return False
+    return True
+
+
+def _brace_pattern(values: list[str]) -> str | None:
+    """A brace pattern that expands to these values, as the shell expanded it: ``{first..last}``
+    for consecutive numbers, else ``{a,b,...}`` for a few."""
+    prefix = os.path.commonprefix(values)
+    suffix = os.path.commonprefix([v[len(prefix) :][::-1] for v in values])[::-1]
+    # Keep a number's leading zeros and digits inside the braces, as the user typed it.
+    digits = "0123456789"
+    head, tail = prefix.rstrip(digits), suffix.lstrip(digits)
+    middles = [v[len(head) : len(v) - len(tail)] for v in values]
+    widths = {len(m) for m in middles}
+    if all(m.isdigit() for m in middles) and (len(widths) == 1 or all(m == str(int(m)) for m in middles)):
+        numbers = [int(m) for m in middles]
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            return f"{head}{{{middles[0]}..{middles[-1]}}}{tail}"
+    if len(values) <= 5:
+        return f"{prefix}{{{','.join(v[len(prefix) : len(v) - len(suffix)] for v in values)}}}{suffix}"
+    return None
+
+
+def _shard_key(arg: str) -> str | None:
+    name = arg.partition("=")[0].lstrip("+")
+    return name if "=" in arg and name in SHARD_KEYS else None
+
+
+def _refuse_expanded(name: str, values: list[str]) -> None:
+    pattern = _brace_pattern(values)
+    quote = f"'{name}={pattern}'" if pattern else f"the whole word, '{name}=...{{A..B}}...'"
+    shown = f"{values[0]} ... {values[-1]}" if len(values) > 2 else " ".join(values)
+    raise UserError(
+        f"{name} is given {len(values)} times in a row ({shown}): the shell expanded a brace pattern? "
+        f"Quote it: {quote}; Hydra would keep only the last one"
+    )
+
+
+def shard_argv(argv: list[str]) -> list[str]:
+    """The command line with brace specs for the shard keys made safe for Hydra's grammar.
+
+    A literal ``data.train_shards=web-{000000..000009}.tar`` (the shell left it whole: quoted, or a
+    launcher passing words as they are) is refused by Hydra's grammar; it gets Hydra's quotes here.
+    Only a shard key whose value Hydra would refuse is changed, so every override Hydra accepts means
+    what it meant. A shard key given in several words in a row is what bash makes of an unquoted
+    brace pattern (one word per shard, and Hydra would keep only the last): an error that says to
+    quote it. Apart, the last one wins as with any Hydra override (a script's default, then the user's).
+    """
+    out = []
+    i = 0
+    while i < len(argv):
+        name = _shard_key(argv[i])
+        if name is None:
+            out.append(argv[i])
+            i += 1
+            continue
+        run = i + 1
+        while run < len(argv) and _shard_key(argv[run]) == name:
+            run += 1
+        if run - i > 1:
+            _refuse_expanded(name, [arg.partition("=")[2] for arg in argv[i:run]])
+        key, _, value = argv[i].partition("=")
+        quoted = f'{key}="{value}"'
+        if not _is_hydra_override(argv[i]) and not any(c in value for c in "\\'\"") and _is_hydra_override(quoted):
+            out.append(quoted)
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
 
 
 # ---------------------------------------------------------------- errors as one line
@@ -253,6 +379,12 @@ def run_hydra(main: Callable[[], Any]) -> None:
     prints it.
     """
     debug = _full_traces[0] = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    try:
+        sys.argv[1:] = shard_argv(sys.argv[1:])
+    except UserError as exc:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            raise SystemExit(2) from None
+        die(str(exc))
     # Hydra's documented debugging switch: with it Hydra re-raises instead of printing its own
     # multi-line report, and the failure becomes one line here.
     os.environ["HYDRA_FULL_ERROR"] = "1"

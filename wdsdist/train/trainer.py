@@ -61,13 +61,15 @@ def ensure_synthetic(cfg: DictConfig) -> None:
         if not index.endswith(".index.json"):
             raise UserError(
                 f"{key}={index}: with data.synthetic set it must name the index to write (DIR/PREFIX.index.json); "
-                f"set data.synthetic=null to train on other shards"
+                f"for shards of your own use data=shards data.num_classes=N"
             )
         want = {"seed": s.seed, "split": split, "size": s.size}
         if os.path.exists(index):
             desc = read_index(index)
             if desc.get("synthetic") is None:
-                raise UserError(f"{key}={index} is not synthetic data: set data.synthetic=null to train on it")
+                raise UserError(
+                    f"{key}={index} is not synthetic data: for shards of your own use data=shards data.num_classes=N"
+                )
             if desc["synthetic"] == want and desc["nsamples"] == n:
                 continue
         outdir, prefix = os.path.dirname(index) or ".", os.path.basename(index)[: -len(".index.json")]
