@@ -40,7 +40,7 @@ def default_split(mode: str, dsrepeat: int = 1) -> Split:
     """loader.split when not given: samples in epoch mode (every sample once, equal batches), except
     with dsrepeat, the shard split's own remedy; shards in repeat mode (see README: equal batches)
     and resampled mode (shards drawn at random)."""
-    return Split.shards  # TEMP-ITEM3
+    return Split.samples if mode == LoaderMode.epoch and dsrepeat == 1 else Split.shards
 
 
 @dataclass(kw_only=True)
