@@ -1,6 +1,7 @@
 """loader.split=samples: the epoch's sample sequence cut into equal spans; plan == loader, every
 sample once per epoch but the stated padding (or drop), and positions that name each sample."""
 
+import hashlib
 import itertools
 from collections import Counter
 
@@ -123,3 +124,22 @@ def test_same_layout_resume_continues_exactly(tiny_shards, cross):
         assert sorted(k for keys, _ in head + tail for k in keys) == sorted(k for keys, _ in whole for k in keys)
     else:
         assert sorted(head + tail) == sorted(whole)
+
+
+def test_split_shards_is_the_loader_of_before_bit_for_bit(tiny_shards):
+    """loader.split=shards delivers what the loader delivered before split=samples existed: the
+    digest was taken with the code before it (keys, labels, ids; epoch and repeat mode, 2 ranks)."""
+    shards = str(tiny_shards([7, 13, 5, 11, 9, 6]))
+    digest = hashlib.sha256()
+    for mode in ("epoch", "repeat"):
+        for rank in range(2):
+            kw = dict(batch_size=3, workers=2, mode=mode, split="shards", image_size=8, shuffle_buffer=10, seed=3)
+            c = LoaderConfig(**kw, with_keys=True, nbatches="auto" if mode == "epoch" else None)
+            loader = make_loader(shards, rank, 2, c)
+            if mode == "epoch":
+                batches = [b for _ in range(2) for b in loader]
+            else:
+                batches = list(itertools.islice(iter(loader), 15))
+            for b in batches:
+                digest.update(repr((b["key"], b["label"].tolist(), b["id"].tolist())).encode())
+    assert digest.hexdigest()[:16] == "e4230ac2048fc55f"
