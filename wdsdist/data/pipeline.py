@@ -3,13 +3,17 @@
 One rank's loader, in order:
   shards[rank::world] -> shards[worker::nworkers] (in each DataLoader worker)
   -> shard order shuffled per epoch (seed + epoch: new every epoch, the same on every rank),
-     read ``dsrepeat`` times -> tar -> shuffle buffer of raw (compressed) samples
+     read ``dsrepeat`` times
+     (split=samples instead: all shards in the epoch's order as one sequence of samples, the
+     rank's equal span of it, the worker's whole batches of that: splits.plan_samples)
+  -> tar -> shuffle buffer of raw (compressed) samples
   -> decode -> augment -> batch inside the worker, into a shared buffer it reuses
   -> WebLoader(batch_size=None) -> the batch copied out (uint8 NCHW images, int64 labels)
   -> optional shuffle of samples across the rank's workers, then batched again
   -> epochless (each worker runs from epoch to epoch without stopping), or one epoch cut to
      ``nbatches``.
-Every sample carries an id, so the loader knows exactly what was consumed (resume.py).
+Every sample carries an id, so the loader knows exactly what was consumed (resume.py), and
+with split=samples its position in the epoch's sample sequence (``batch["pos"]``).
 
 What comes from WebDataset: ``wds.WebLoader`` (a DataLoader with ``compose``, ``batched`` and
 ``repeat`` stages) is the rank's loader; ``wds.filters.shuffle`` and ``wds.filters.batched``
