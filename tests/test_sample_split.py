@@ -143,3 +143,10 @@ def test_split_shards_is_the_loader_of_before_bit_for_bit(tiny_shards):
             for b in batches:
                 digest.update(repr((b["key"], b["label"].tolist(), b["id"].tolist())).encode())
     assert digest.hexdigest()[:16] == "e4230ac2048fc55f"
+
+
+def test_a_cut_above_the_epoch_is_refused_with_numbers(tiny_shards):
+    shards = str(tiny_shards(COUNTS))
+    with pytest.raises(UserError, match=r"nbatches=30 is more than every rank delivers with split=samples \(11 batch"):
+        make_loader(shards, 0, 2, cfg(nbatches=30))
+    assert make_loader(shards, 0, 2, cfg(nbatches="auto")).epoch_batches == 11  # ceil(63 / 6)

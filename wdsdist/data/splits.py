@@ -150,6 +150,13 @@ class Plan:
 
     def _sample_problems(self) -> list[str]:
         need = self.world * self.nworkers * self.batch_size
+        available = self.ranks[0].available
+        if self.total_samples >= need and self.nbatches is not None and self.nbatches > available:
+            return [
+                f"nbatches={self.nbatches} is more than every rank delivers with split=samples ({available} "
+                f"batches of {self.batch_size} per rank per epoch, from {self.total_samples} samples): "
+                f"use nbatches<={available}"
+            ]
         if self.total_samples >= need:
             return []
         fewer = max(1, self.total_samples // (self.world * self.batch_size))
