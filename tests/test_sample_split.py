@@ -155,3 +155,31 @@ def test_a_cut_above_the_epoch_is_refused_with_numbers(tiny_shards):
     with pytest.raises(UserError, match=r"nbatches=30 is more than every rank delivers with split=samples \(11 batch"):
         make_loader(shards, 0, 2, cfg(nbatches=30))
     assert make_loader(shards, 0, 2, cfg(nbatches="auto")).epoch_batches == 11  # ceil(63 / 6)
+
+
+def test_a_samples_id_determines_its_position_by_replaying_the_shuffle(tiny_shards):
+    """The shuffle buffer's permutation depends on its seed and the stream's length only, so
+    (epoch, worker, seq) and the layout give the position: replayed over position numbers, the
+    worker's shuffle yields batch["pos"]. A checkpoint's seq-based state thus names the consumed
+    positions too (what an elastic resume re-splits; resume.py)."""
+    import random
+
+    import webdataset as wds
+
+    shards = str(tiny_shards(COUNTS))
+    world, rank, c = 2, 1, cfg(batch_size=3, workers=2, seed=5)
+    loader = make_loader(shards, rank, world, c)
+    for epoch in range(2):
+        got = {}
+        for b in loader:
+            for (e, worker, seq), pos in zip(b["id"].tolist(), b["pos"].tolist(), strict=True):
+                got[(worker, seq)] = pos
+                assert e == epoch
+        k = loader.plan.ranks[0].available
+        for worker in range(2):
+            start, stop = sample_span(rank, world, worker, 2, 3, k)
+            rng = random.Random(f"{c.seed}:{epoch}:{rank}:{worker}:0:samples")
+            replay = list(
+                wds.filters.shuffle(c.shuffle_buffer, min(c.shuffle_buffer, 100), rng=rng)(iter(range(start, stop)))
+            )
+            assert {s: p for (w, s), p in got.items() if w == worker} == dict(enumerate(replay))

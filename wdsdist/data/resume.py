@@ -14,7 +14,11 @@ Elastic resume (issue 14 item 4; the design this state is shaped for, not built 
     world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
     positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
     shuffle and the batches in flight): O(ranks x workers) numbers plus the pending items,
-    never O(samples). The tracker follows ``pos`` beside ``seq`` to keep them.
+    never O(samples). The tracker can follow ``pos`` beside ``seq`` to keep them; today's
+    seq-based state names them too, since the shuffle buffer's permutation depends only on
+    its seed and the stream's length: replaying a worker's shuffle over its span's position
+    numbers maps seq to pos (tests/test_sample_split.py holds this), unless a shard failed
+    mid-span (then its samples are missing, which the resume must count as consumed).
   - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
     [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
     ranges and the scattered pending points). They are one shorter sequence of M samples, split
