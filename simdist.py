@@ -8,6 +8,7 @@ simdist.py                                  # 10 shards x 100 samples, 3 ranks x
 simdist.py --nbatches 30                    # cut every rank to 30 batches: SUCCESS
 simdist.py --nbatches 40 --dsrepeat 2       # more batches than short ranks hold: repeat inside workers
 simdist.py --nbatches auto --showsplits --plot outputs/simdist.png
+simdist.py --split samples                  # equal spans of samples: SUCCESS, 20 samples padded (--remainder drop)
 simdist.py --shards data/shards/imagenet-train.index.json --size 16 --nworkers 8 --batch-size 256
 simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nworkers 8 --batch-size 64
 """
@@ -53,6 +54,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     job.add_argument("--partial", action=argparse.BooleanOptionalAction, default=False, help="keep short batches")
     job.add_argument("--nepochs", type=integer(1), default=1, help="epochs to run (real mode) (default: 1)")
     job.add_argument("--cross-shuffle", type=integer(0), default=0, help="re-batch across workers (samples)")
+    job.add_argument(
+        "--split",
+        choices=("shards", "samples"),
+        default="shards",
+        help="whole shards per rank and worker, or equal spans of the epoch's samples (default: %(default)s)",
+    )
+    job.add_argument(
+        "--remainder",
+        choices=("pad", "drop"),
+        default="pad",
+        help="--split samples: pad or drop (default: %(default)s)",
+    )
     show = p.add_argument_group("what to show")
     show.add_argument("--plan", action="store_true", help="plan from sample counts only; read no data")
     show.add_argument("--showsplits", action="store_true", help="which shards each rank and worker got")
@@ -96,6 +109,8 @@ def main(argv=None) -> int:
         nepochs=args.nepochs,
         cross_shuffle=args.cross_shuffle,
         seed=args.seed,
+        split=args.split,
+        remainder=args.remainder,
     )
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot {args.plot}: give a .png file name")

@@ -33,9 +33,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NCLASSES = 10
-CONTENDERS = ("ours", "ours-cross", "ours-whole", "seed", "imagefolder", "limit", "side-by-side", "ours-work")
+CONTENDERS = (
+    "ours",
+    "ours-samples",
+    "ours-cross",
+    "ours-whole",
+    "seed",
+    "imagefolder",
+    "limit",
+    "side-by-side",
+    "ours-work",
+)
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
+    "ours-samples": "(a*) ours, loader.split=samples",
     "ours-cross": "(a') ours + cross-worker shuffle 1000",
     "ours-whole": "(a'') ours, whole-image decode",
     "seed": "(b) seed: WebDataset README pipeline",
@@ -103,7 +114,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     import webdataset as wds
     from torchvision.datasets import ImageFolder
 
-    if name in ("ours", "ours-cross", "ours-whole"):
+    if name in ("ours", "ours-samples", "ours-cross", "ours-whole"):
         from wdsdist.data.options import LoaderConfig
         from wdsdist.data.pipeline import make_loader
 
@@ -117,6 +128,8 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             cross_shuffle=1000 if name == "ours-cross" else 0,
             partial=False,
             decode_region=name != "ours-whole",
+            # (a*): the epoch's samples in equal spans per worker, starting and stopping mid-shard
+            split="samples" if name == "ours-samples" else "shards",
         )
         return make_loader(info["index"], 0, 1, cfg)
     if name == "seed":

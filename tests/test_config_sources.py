@@ -59,6 +59,8 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     }
     stream = {
         "mode": "epoch",
+        "split": "shards",
+        "remainder": "drop",
         "nbatches": 26,
         "dsrepeat": 3,
         "shuffle_buffer": 11,

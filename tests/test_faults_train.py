@@ -138,7 +138,8 @@ def test_bad_data_on_one_rank_is_skipped_counted_and_ranks_stay_in_step(shards, 
     # Epoch mode: the index promises 8 batches per rank per epoch; rank 1 delivers about 2. Every
     # rank ends each epoch with it, so neither waits for the other, and both finish at step 5.
     run = tmp_path / "run"
-    extra = ("loader.mode=epoch", "trainer.steps=5", "trainer.log_every=1")
+    # split=shards: the bad shards all land on rank 1 (the default split=samples spreads them)
+    extra = ("loader.mode=epoch", "loader.split=shards", "trainer.steps=5", "trainer.log_every=1")
     proc = torchrun(2, *args(shards, run, *extra, train_spec=bad_shards["index"]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -228,9 +229,14 @@ def test_a_bad_label_in_strict_mode_is_one_line_naming_the_shard_and_key(shards,
             "data.train_shards: pipe:cat {root}/train/train-000000.tar: pipe: URLs are refused (allow_pipe is false)",
         ),
         (  # 4 shards of 24 over 1 rank x 1 worker in batches of 8: 12 batches an epoch
-            ["loader.mode=epoch", "loader.nbatches=100"],
+            ["loader.mode=epoch", "loader.split=shards", "loader.nbatches=100"],
             "loader.nbatches=100 is more than 1 ranks can deliver (rank 0: 12 batches with loader.dsrepeat=1); "
             "use loader.nbatches<=12 or use loader.dsrepeat=9",
+        ),
+        (  # the same with split=samples (the epoch default): 12 batches per rank, no dsrepeat
+            ["loader.mode=epoch", "loader.nbatches=100"],
+            "loader.nbatches=100 is more than every rank delivers with split=samples (12 batches of 8 per rank "
+            "per epoch, from 96 samples): use loader.nbatches<=12",
         ),
     ],
 )

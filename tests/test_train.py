@@ -270,6 +270,7 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
         "trainer.workers=1",
         "trainer.batch_size=4",
         "loader.mode=epoch",
+        "loader.split=shards",  # whole shards: 3 over 2 ranks cannot be equal (split=samples, the default, is)
         f"run_dir={tmp_path / 'run'}",
     ]
     proc = torchrun(2, *args)
@@ -279,6 +280,43 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
     assert len(errors) == 1, proc.stderr
     assert "ranks deliver unequal batch counts per epoch (4..8)" in errors[0] and "nbatches=4" in errors[0]
     assert "rank      : 1 (local_rank: 1)" in proc.stderr and "exitcode  : 2" in proc.stderr
+
+
+def test_epochs_of_the_sample_split_end_together_on_every_rank_under_torchrun(tmp_path):
+    """Uneven shards that whole-shard splitting cannot share equally: split=samples (the default
+    in epoch mode) gives both ranks 5 batches per epoch, pads 10 samples, and says so."""
+    counts = [13, 29, 7, 21]  # 70 samples; 2 ranks x batch 8: 5 batches each, 80 delivered
+    train_index = write_tiny_shards(tmp_path / "train", counts, "train", size=16)
+    run = tmp_path / "run"
+    args = [
+        f"data.train_shards={train_index}",
+        "data.val_shards=null",
+        "data.synthetic=null",
+        "data.image_size=16",
+        "data.num_classes=10",
+        "model.stem=imagenet",
+        "trainer.workers=2",
+        "trainer.batch_size=8",
+        "trainer.epochs=3",
+        "trainer.log_every=1",
+        "loader.mode=epoch",
+        "loader.shuffle_buffer=20",
+        f"run_dir={run}",
+    ]
+    proc = torchrun(2, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rank_steps"] == [15, 15] and len(set(summary["rank_params"])) == 1
+    assert "ends early" not in proc.stdout + proc.stderr
+    log = (run / "train.log").read_text()
+    assert "split=samples: 5 batches of 8 per rank per epoch (80 samples), pad: 10 samples" in log
+    ckpt = load(run / "latest.pt")
+    assert [(s["point"]["epoch"], s["batches"]) for s in ckpt["loader"]] == [(3, 0), (3, 0)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run)).Reload()
+    padded = events.Scalars("data/padded_samples")
+    assert [(e.step, e.value) for e in padded] == [(0, 10.0), (5, 10.0), (10, 10.0)]
 
 
 @pytest.mark.parametrize(

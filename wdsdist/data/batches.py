@@ -48,10 +48,19 @@ def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_me
             # non_blocking copy to the GPU waits.
             batch["image"] = pin(batch["image"])
         batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
-        batch["id"] = torch.tensor(batch["id"], dtype=torch.int64)
+        batch["id"], batch["pos"] = split_ids(batch["id"])
         # bad: [b, 2], the samples and shard reads skipped before each row; bad_shards: their URLs
         batch["bad"], batch["bad_shards"] = bad_counts(batch["bad"])
         yield batch
+
+
+def split_ids(ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker rows' ids, (epoch, worker, seq, position) -> the [b, 3] id (what resume.py tracks)
+    and the [b] position in the epoch's sample sequence (split=samples; -1 otherwise)."""
+    both = torch.tensor(ids, dtype=torch.int64).reshape(len(ids), -1)
+    if both.shape[1] > 3:
+        return both[:, :3].contiguous(), both[:, 3].contiguous()
+    return both, torch.full((len(ids),), -1, dtype=torch.int64)
 
 
 def pin(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +79,8 @@ def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None) -> It
             images = [plain_copy(image) for image in batch.pop("image")]
         keys = batch.get("key") or [None] * len(images)
         for image, label, id_, bad, key in zip(images, batch["label"], batch["id"], batch["bad"], keys, strict=True):
-            yield {"image": image, "label": label, "id": id_, "bad": bad, "key": key}
+            pos = id_[3] if len(id_) > 3 else -1
+            yield {"image": image, "label": label, "id": tuple(id_[:3]), "pos": pos, "bad": bad, "key": key}
 
 
 def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any]:
@@ -79,6 +89,7 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "image": plain_stack([r["image"] for r in rows], pin_memory),
         "label": torch.tensor([r["label"] for r in rows], dtype=torch.int64),
         "id": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
+        "pos": torch.tensor([r["pos"] for r in rows], dtype=torch.int64),
     }
     batch["bad"], batch["bad_shards"] = bad_counts([r["bad"] for r in rows])
     if rows[0]["key"] is not None:

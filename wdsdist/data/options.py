@@ -26,6 +26,23 @@ class LoaderMode(StrEnum):
 MODES = tuple(m.value for m in LoaderMode)
 
 
+class Split(StrEnum):
+    shards = "shards"  # whole shards per rank and worker (shards[rank::world][worker::nworkers])
+    samples = "samples"  # the epoch's sample sequence cut into equal spans per rank and worker
+
+
+class Remainder(StrEnum):
+    pad = "pad"  # split=samples: the epoch's first samples again, up to a multiple of world x batch_size
+    drop = "drop"  # split=samples: the epoch's last samples left out, down to such a multiple
+
+
+def default_split(mode: str, dsrepeat: int = 1) -> Split:
+    """loader.split when not given: samples in epoch mode (every sample once, equal batches), except
+    with dsrepeat, the shard split's own remedy; shards in repeat mode (see README: equal batches)
+    and resampled mode (shards drawn at random)."""
+    return Split.samples if mode == LoaderMode.epoch and dsrepeat == 1 else Split.shards
+
+
 @dataclass(kw_only=True)
 class SampleOptions:
     """What a sample is, and what makes one bad (the trainer's ``data`` section)."""
@@ -49,6 +66,8 @@ class StreamOptions:
     """How a rank's shards become batches (the trainer's ``loader`` section)."""
 
     mode: LoaderMode = LoaderMode.repeat
+    split: Split | None = None  # shards or samples; None: samples in epoch mode (unless dsrepeat), else shards
+    remainder: Remainder = Remainder.pad  # split=samples: pad (repeat the epoch's first samples) or drop
     nbatches: int | str | None = None  # epoch mode: cut every rank to N batches, or auto (the most all deliver)
     dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
     shuffle_buffer: int = 1000  # raw samples per worker; 0: off
@@ -76,6 +95,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
         if self.mode not in MODES:
             raise UserError(f"loader.mode={self.mode!r}: must be one of {', '.join(MODES)}")
         self.mode = LoaderMode(self.mode)
+        self.split = Split(self.split) if self.split is not None else None
+        self.remainder = Remainder(self.remainder)
         self.crop_scale = tuple(self.crop_scale)  # type: ignore[assignment]
         problem = next(problems(self, LOADER_RULES), None)
         if problem is not None:
@@ -96,6 +117,13 @@ class LoaderConfig(SampleOptions, StreamOptions):
     @property
     def access(self) -> shardspec.Access:
         return shardspec.Access(self.allow_pipe, self.trust_index, self.http_timeout, self.http_min_rate)
+
+    @property
+    def by_samples(self) -> bool:
+        """split=samples in effect: given, or the default for this mode (``default_split``)."""
+        if self.mode == LoaderMode.resampled:
+            return False
+        return (self.split or default_split(self.mode, self.dsrepeat)) == Split.samples
 
     @property
     def rebatch(self) -> bool:
@@ -161,6 +189,14 @@ STREAM_RULES: tuple[Rule, ...] = (
     ("nbatches", lambda o: _nbatches_ok(o.nbatches), "an integer >= 1 or auto"),
     ("nbatches", lambda o: o.nbatches is None or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
     ("dsrepeat", lambda o: o.dsrepeat == 1 or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
+    ("split", lambda o: o.split in (None, *Split), "shards or samples"),
+    ("remainder", lambda o: o.remainder in tuple(Remainder), "pad or drop"),
+    (
+        "split",
+        lambda o: o.split != Split.samples or o.mode != LoaderMode.resampled,
+        "does not apply to loader.mode=resampled",
+    ),
+    ("dsrepeat", lambda o: o.dsrepeat == 1 or o.split != Split.samples, "only applies to loader.split=shards"),
 )
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES
 

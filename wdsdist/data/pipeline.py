@@ -3,13 +3,17 @@
 One rank's loader, in order:
   shards[rank::world] -> shards[worker::nworkers] (in each DataLoader worker)
   -> shard order shuffled per epoch (seed + epoch: new every epoch, the same on every rank),
-     read ``dsrepeat`` times -> tar -> shuffle buffer of raw (compressed) samples
+     read ``dsrepeat`` times
+     (split=samples instead: all shards in the epoch's order as one sequence of samples, the
+     rank's equal span of it, the worker's whole batches of that: splits.plan_samples)
+  -> tar -> shuffle buffer of raw (compressed) samples
   -> decode -> augment -> batch inside the worker, into a shared buffer it reuses
   -> WebLoader(batch_size=None) -> the batch copied out (uint8 NCHW images, int64 labels)
   -> optional shuffle of samples across the rank's workers, then batched again
   -> epochless (each worker runs from epoch to epoch without stopping), or one epoch cut to
      ``nbatches``.
-Every sample carries an id, so the loader knows exactly what was consumed (resume.py).
+Every sample carries an id, so the loader knows exactly what was consumed (resume.py), and
+with split=samples its position in the epoch's sample sequence (``batch["pos"]``).
 
 What comes from WebDataset: ``wds.WebLoader`` (a DataLoader with ``compose``, ``batched`` and
 ``repeat`` stages) is the rank's loader; ``wds.filters.shuffle`` and ``wds.filters.batched``
@@ -46,11 +50,11 @@ import webdataset as wds
 from wdsdist.data import jpegcrop, shardspec
 from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.index import count_samples
-from wdsdist.data.options import LoaderConfig
+from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.resume import ConsumedTracker, ResumePoint
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
-from wdsdist.data.splits import Plan, plan, split_by_rank
+from wdsdist.data.splits import Plan, plan, plan_samples, split_by_rank
 from wdsdist.data.stream import ShardStream
 from wdsdist.data.workers import worker_init
 from wdsdist.errors import UserError
@@ -180,6 +184,21 @@ def known_counts(shards: Sequence[Shard], *, count_local: bool) -> list[int] | N
     return counts
 
 
+def counted_shards(shards: Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
+    """The shards with their sample counts, as split=samples needs them: from the index, or
+    counted from local tar headers; refused (one line, the fix) when a remote shard has none."""
+    if not cfg.by_samples:
+        return list(shards)
+    counts = known_counts(shards, count_local=True)
+    if counts is None:
+        first = next(s.url for s in shards if s.nsamples is None)
+        raise UserError(
+            f"loader.split=samples needs sample counts per shard and {first} has none: give an index JSON "
+            f"(makeshards.py --index), or use loader.split=shards"
+        )
+    return [s if s.nsamples == n else replace(s, nsamples=n) for s, n in zip(shards, counts, strict=True)]
+
+
 def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equal: bool = True) -> Plan | None:
     """Plan the layout and refuse, with numbers and a fix, one that would hang or starve a rank.
 
@@ -188,6 +207,20 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
     nw = max(cfg.workers, 1)
     if cfg.mode == "resampled":
         return None
+    if cfg.by_samples:
+        p = plan_samples(
+            [s.nsamples or 0 for s in counted_shards(shards, cfg)],
+            world,
+            nw,
+            cfg.batch_size,
+            remainder=cfg.remainder,
+            rebatch=cfg.rebatch,
+            nbatches=cfg.nbatches,
+        )
+        problems = p.problems()
+        if problems:
+            raise UserError(problems[0])
+        return p
     epoch_mode = cfg.mode == "epoch"
     counts = known_counts(shards, count_local=epoch_mode)
     if counts is None:
@@ -234,7 +267,7 @@ def make_loader(
     spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, state: dict | None = None
 ) -> RankLoader:
     """Expand the spec, check the layout, and build rank ``rank``'s loader."""
-    shards = resolve_shards(spec, cfg)
+    shards = counted_shards(resolve_shards(spec, cfg), cfg)
     p = check_layout(shards, world, cfg)
     return RankLoader(shards, rank, world, cfg, state, p)
 
@@ -254,6 +287,7 @@ def make_eval_loader(
     ecfg = replace(
         cfg,
         mode="epoch",
+        split=Split.shards,  # every sample once, no padding: ranks may differ (sums are all-reduced)
         train=False,
         partial=True,
         nbatches=None,

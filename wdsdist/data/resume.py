@@ -3,6 +3,34 @@
 Every sample carries an id (epoch, worker, position in the worker's shuffled stream); the
 position built from the ids consumed is the loader state a checkpoint keeps, and a resumed
 loader skips exactly those samples, before decoding them.
+
+With loader.split=samples each batch also carries every sample's position in the epoch's sample
+sequence (``batch["pos"]``: the shards in the epoch's seeded order, read as one sequence; from
+N on, the padding: position - N again). A same-layout resume stays the seq-based skip above
+(bit-exact: each worker's shuffled stream replays and drops what was consumed).
+
+Elastic resume (issue 14 item 4; the design this state is shaped for, not built yet):
+  - state: per old worker, its span [a, b) of the interrupted epoch (splits.sample_span, from
+    world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
+    positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
+    shuffle and the batches in flight): O(ranks x workers) numbers plus the pending items,
+    never O(samples). The tracker can follow ``pos`` beside ``seq`` to keep them; today's
+    seq-based state names them too, since the shuffle buffer's permutation depends only on
+    its seed and the stream's length: replaying a worker's shuffle over its span's position
+    numbers maps seq to pos (tests/test_sample_split.py holds this), unless a shard failed
+    mid-span (then its samples are missing, which the resume must count as consumed).
+  - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
+    [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
+    ranges and the scattered pending points). They are one shorter sequence of M samples, split
+    by the same rule (rank_batches(M, W', B, remainder), sample_span): each new worker's span
+    maps through the range list's cumulative lengths (bisect) to positions, and through the
+    epoch's shard order to (shard, first, stop) pieces that read_span reads. Every sample of
+    the interrupted epoch is then delivered exactly once plus the padding (< W' x B, the
+    remaining sequence's first samples), every rank the same k' batches, so none hangs.
+  - the epochs after it are whole epochs on the new layout; the trainer's step count becomes
+    steps done + k' + the remaining epochs x k_new.
+  - repeat mode: workers run across epochs, so a worker may be one epoch ahead; each epoch in
+    flight is re-split the same way, in epoch order, before fresh epochs begin.
 """
 
 from __future__ import annotations

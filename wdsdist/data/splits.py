@@ -9,12 +9,20 @@ How a rank's batches come about (the loader's order of operations):
   (``partial`` keeps the last short batch); the rank's loader optionally re-batches across
   workers (``rebatch``: unbatched -> shuffle -> batched, same batch size and ``partial``);
   in epoch mode every rank is then cut to ``nbatches``.
+
+The sample-level split (``plan_samples``, loader.split=samples): each epoch the shards, in a
+seeded order new every epoch, are one sequence of N samples; it is padded (the sequence's first
+samples again) or cut to k x world x batch_size samples, rank r holds positions
+r*k*B .. (r+1)*k*B - 1 and its workers whole batches of that, contiguous. Every rank delivers k
+batches; the padding (or drop) is below world x batch_size and does not depend on the workers.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -51,6 +59,7 @@ class WorkerPlan:
     shards: tuple[int, ...]  # indices into the global shard list
     samples: int  # samples read per epoch, dsrepeat included
     batches: int  # batches the worker yields per epoch
+    span: tuple[int, int] | None = None  # split=samples: [start, stop) in the epoch's sample sequence
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class RankPlan:
     workers: tuple[WorkerPlan, ...]
     available: int  # batches the rank's loader can yield per epoch
     batches: int  # batches delivered per epoch (after the nbatches cut)
+    span: tuple[int, int] | None = None  # split=samples: [start, stop) in the epoch's sample sequence
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,10 @@ class Plan:
     nbatches: int | None  # the cut, resolved ("auto" -> a number); None: no cut
     ranks: tuple[RankPlan, ...]
     total_samples: int  # samples in the data set (one pass, no dsrepeat)
+    split: str = "shards"  # "shards": whole shards per rank and worker; "samples": spans of the epoch's sequence
+    remainder: str | None = None  # split=samples: "pad" or "drop"
+    padded: int = 0  # split=samples, pad: samples per epoch delivered a second time (the sequence's first ones)
+    dropped: int = 0  # split=samples, drop: samples per epoch not delivered (the sequence's last ones)
 
     @property
     def batches(self) -> list[int]:
@@ -97,6 +111,8 @@ class Plan:
 
     def problems(self, *, epoch_mode: bool = True) -> list[str]:
         """Why this layout would hang or waste a rank, each with numbers and a fix."""
+        if self.split == "samples":
+            return self._sample_problems()
         out: list[str] = []
         empty_ranks = [r.rank for r in self.ranks if not r.shards]
         if empty_ranks:
@@ -131,6 +147,25 @@ class Plan:
                 f"{nearest_divisible(self.nshards, self.world * self.nworkers)} shards"
             )
         return out
+
+    def _sample_problems(self) -> list[str]:
+        need = self.world * self.nworkers * self.batch_size
+        available = self.ranks[0].available
+        if self.total_samples >= need and self.nbatches is not None and self.nbatches > available:
+            return [
+                f"nbatches={self.nbatches} is more than every rank delivers with split=samples ({available} "
+                f"batches of {self.batch_size} per rank per epoch, from {self.total_samples} samples): "
+                f"use nbatches<={available}"
+            ]
+        if self.total_samples >= need:
+            return []
+        fewer = max(1, self.total_samples // (self.world * self.batch_size))
+        return [
+            f"{self.total_samples} samples are fewer than {self.world} ranks x {self.nworkers} workers x "
+            f"batch size {self.batch_size} = {need}: every worker needs a batch per epoch; use at most "
+            f"{fewer} workers, a batch size of at most {max(1, self.total_samples // (self.world * self.nworkers))}, "
+            f"or more data"
+        ]
 
 
 def plan(
@@ -244,3 +279,110 @@ def nearest_divisible(n: int, k: int) -> str:
     if lo == n:
         return str(n)
     return f"{lo} or {hi}" if lo > 0 else str(hi)
+
+
+# ---------------------------------------------------------------- the sample-level split
+
+REMAINDERS = ("pad", "drop")
+
+
+def rank_batches(total: int, world: int, batch_size: int, remainder: str) -> int:
+    """Batches every rank delivers per epoch under split=samples: the epoch's ``total`` samples
+    padded up (pad) or cut down (drop) to a multiple of world x batch_size. The worker count does
+    not enter: the padding is the same however many workers read."""
+    slot = world * batch_size
+    return -(-total // slot) if remainder == "pad" else total // slot
+
+
+def sample_span(rank: int, world: int, worker: int, nworkers: int, batch_size: int, batches: int) -> tuple[int, int]:
+    """[start, stop) of one worker's span in the epoch's sample sequence: rank r holds batches
+    r*k .. (r+1)*k - 1 of it, and its workers hold whole batches of that, in order, so every
+    worker yields full batches only and no re-batching is needed to keep the padding fixed."""
+    _check_slot("rank", rank, world)
+    _check_slot("worker", worker, nworkers)
+    each, extra = divmod(batches, nworkers)
+    first = rank * batches + worker * each + min(worker, extra)
+    return first * batch_size, (first + each + (worker < extra)) * batch_size
+
+
+def span_pieces(cumulative: Sequence[int], start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
+    """The pieces of [start, stop) of the epoch's sample sequence, shard by shard: (slot, first,
+    stop, position) read samples first..stop-1 of the shard at ``slot`` of the epoch's shard
+    order, the first of them at ``position`` of the sequence. ``cumulative[i]`` is the number of
+    samples before slot i, ``cumulative[-1]`` all of them; positions from there on wrap to the
+    sequence's start (the padding). Arithmetic only: no per-sample lists."""
+    total = cumulative[-1]
+    if total <= 0:
+        return
+    position = start
+    while position < stop:
+        at = position % total
+        slot = bisect.bisect_right(cumulative, at) - 1
+        first = at - cumulative[slot]
+        take = min(cumulative[slot + 1] - at, stop - position)
+        yield slot, first, first + take, position
+        position += take
+
+
+def _slots(cumulative: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(slot for slot, _, _, _ in span_pieces(cumulative, start, stop)))
+
+
+def plan_samples(
+    nsamples: Sequence[int],
+    world: int,
+    nworkers: int,
+    batch_size: int,
+    *,
+    remainder: str = "pad",
+    rebatch: bool = True,
+    nbatches: int | str | None = None,
+) -> Plan:
+    """The sample-level split's plan: every rank the same span length, so the same batches.
+
+    Shards in RankPlan/WorkerPlan are slots of the epoch's shard order (the order is new every
+    epoch; which shards fill a slot is the loader's business), so with uneven shards the shards
+    a span touches vary per epoch while its sample counts do not.
+    """
+    for name, value in (("world", world), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if nworkers < 0:
+        raise ValueError(f"nworkers must be >= 0, got {nworkers}")
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {remainder!r}")
+    workers = max(nworkers, 1)
+    total = sum(nsamples)
+    batches = rank_batches(total, world, batch_size, remainder)
+    cumulative = list(itertools.accumulate(nsamples, initial=0))
+    ranks = []
+    for rank in range(world):
+        plans = []
+        for worker in range(workers):
+            start, stop = sample_span(rank, world, worker, workers, batch_size, batches)
+            span = (start, stop)
+            plans.append(
+                WorkerPlan(worker, _slots(cumulative, start, stop), stop - start, (stop - start) // batch_size, span)
+            )
+        span = (rank * batches * batch_size, (rank + 1) * batches * batch_size)
+        ranks.append(RankPlan(rank, _slots(cumulative, *span), span[1] - span[0], tuple(plans), batches, batches, span))
+    cut = _resolve_cut(nbatches, ranks)
+    if cut is not None:
+        ranks = [replace(r, batches=min(r.available, cut)) for r in ranks]
+    delivered = world * batches * batch_size
+    return Plan(
+        nshards=len(nsamples),
+        world=world,
+        nworkers=workers,
+        batch_size=batch_size,
+        partial=False,
+        dsrepeat=1,
+        rebatch=rebatch,
+        nbatches=cut,
+        ranks=tuple(ranks),
+        total_samples=total,
+        split="samples",
+        remainder=remainder,
+        padded=max(0, delivered - total),
+        dropped=max(0, total - delivered),
+    )

@@ -1,5 +1,12 @@
 """One rank's stream inside each of its DataLoader workers: the worker's shards in a new order
-every epoch, read, shuffled, decoded and batched (the first half of pipeline.py's diagram)."""
+every epoch, read, shuffled, decoded and batched (the first half of pipeline.py's diagram).
+
+With loader.split=samples a worker reads its span of the epoch's sample sequence instead
+(splits.sample_span over the shards in the epoch's order), starting and stopping mid-shard
+through spanread.read_span. Every sample's id then carries its position in that sequence
+(positions from N on are the padding: sample position - N again), which is what an elastic
+resume needs (see resume.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import itertools
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
@@ -19,16 +27,21 @@ from wdsdist.data.options import LoaderConfig
 from wdsdist.data.resume import ResumePoint
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
-from wdsdist.data.splits import split_by_rank, split_by_worker
+from wdsdist.data.spanread import read_span
+from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
 from wdsdist.data.tarread import open_shard, tar_samples
 from wdsdist.data.workers import pin_malloc_threshold, warn_skip
 from wdsdist.errors import DataError
 
+T = TypeVar("T")
+POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
 
-def shard_order(shards: Sequence[Shard], seed: int, epoch: int, dsrepeat: int) -> list[Shard]:
-    """A worker's shards for one epoch: ``dsrepeat`` passes, each shuffled; the same on every rank."""
+
+def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> list[T]:
+    """A worker's shards for one epoch: ``dsrepeat`` passes, each shuffled; the same on every rank.
+    (split=samples: all shards, one pass: the epoch's shard order.)"""
     rng = random.Random(f"{seed}:{epoch}")
-    order: list[Shard] = []
+    order: list[T] = []
     for _ in range(dsrepeat):
         one = list(shards)
         rng.shuffle(one)
@@ -52,6 +65,9 @@ class ShardStream(IterableDataset):
         self.all_shards = list(shards)
         self.rank, self.world, self.cfg = rank, world, cfg
         self.rank_shards = split_by_rank(self.all_shards, rank, world)
+        if cfg.by_samples and any(s.nsamples is None for s in self.all_shards):
+            first = next(s.url for s in self.all_shards if s.nsamples is None)
+            raise DataError(f"loader.split=samples needs every shard's sample count, and {first} has none")
         self.resume = resume
         self.shared = shared  # used in DataLoader workers only
         self.epoch = -1  # the last epoch begun, in each worker
@@ -68,12 +84,36 @@ class ShardStream(IterableDataset):
         order = [s.url for s in shard_order(mine, cfg.seed, epoch, cfg.dsrepeat)]
         return [order[k * len(mine) : (k + 1) * len(mine)] for k in range(cfg.dsrepeat)]
 
+    def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
+        """split=samples: the raw samples of this worker's span of the epoch's sample sequence,
+        each marked with its position in it."""
+        cfg, shards = self.cfg, self.all_shards
+        order = shard_order(range(len(shards)), cfg.seed, epoch, 1)
+        cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
+        batches = rank_batches(cumulative[-1], self.world, cfg.batch_size, cfg.remainder)
+        start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
+        for slot, first, last, position in span_pieces(cumulative, start, stop):
+            shard = shards[order[slot]]
+            read = functools.partial(
+                read_span, shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes
+            )
+            for i, sample in enumerate(self._read_guarded(shard.url, read, worker, bad)):
+                sample[POSITION] = position + i
+                yield sample
+
     def _samples(self, worker: int, nworkers: int, epoch: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples, shuffled within each pass: with dsrepeat, a worker shows every sample
         once before it shows any a second time."""
         cfg = self.cfg
-        for k, urls in enumerate(self._passes(worker, nworkers, epoch)):
-            samples = self._raw_samples(urls, worker, bad)
+        if cfg.by_samples:
+            passes: list = [None]
+        else:
+            passes = self._passes(worker, nworkers, epoch)
+        for k, urls in enumerate(passes):
+            if urls is None:
+                samples = self._span(worker, nworkers, epoch, bad)
+            else:
+                samples = self._raw_samples(urls, worker, bad)
             if cfg.shuffle_buffer > 0:
                 rng = random.Random(f"{cfg.seed}:{epoch}:{self.rank}:{worker}:{k}:samples")
                 samples = wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(samples)
@@ -83,25 +123,32 @@ class ShardStream(IterableDataset):
         """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
         its URL appended to ``bad`` (or raises DataError in strict mode)."""
         for url in urls:
-            if self.cfg.trace:
-                print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
-            try:
-                stream = open_shard(url, self.cfg.access)
-                try:
-                    yield from tar_samples(stream, url, self.cfg.wanted_suffixes, self.cfg.max_member_bytes)
-                finally:
-                    stream.close()
-            except Exception as exc:
-                # webdataset appends streams to args; an OSError says more in strerror
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc.args[0] if exc.args else exc
-                error = DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {reason}")
-                if self.cfg.strict:
-                    raise error from None
-                warn_skip(error)
-                bad[1] += 1
-                bad.append(url)
-            if self.cfg.trace:
-                print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
+            yield from self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad)
+
+    def _read_whole(self, url: str) -> Iterator[dict]:
+        stream = open_shard(url, self.cfg.access)
+        try:
+            yield from tar_samples(stream, url, self.cfg.wanted_suffixes, self.cfg.max_member_bytes)
+        finally:
+            stream.close()
+
+    def _read_guarded(self, url: str, read: Callable[[], Iterator[dict]], worker: int, bad: list) -> Iterator[dict]:
+        """The samples ``read()`` gives of one shard; a failure is skipped and counted, as above."""
+        if self.cfg.trace:
+            print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
+        try:
+            yield from read()
+        except Exception as exc:
+            # webdataset appends streams to args; an OSError says more in strerror
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc.args[0] if exc.args else exc
+            error = DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {reason}")
+            if self.cfg.strict:
+                raise error from None
+            warn_skip(error)
+            bad[1] += 1
+            bad.append(url)
+        if self.cfg.trace:
+            print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[dict]:
         """In epoch mode (and with the cross-worker shuffle), one epoch; in repeat and resampled
@@ -152,7 +199,7 @@ class ShardStream(IterableDataset):
                     bad[0] += 1
                     continue
                 key = sample["__key__"] if cfg.with_keys else None
-                yield image, label, (epoch, worker, seq), tuple(bad), key
+                yield image, label, (epoch, worker, seq, sample.get(POSITION, -1)), tuple(bad), key
                 bad[:] = [0, 0]
                 produced += 1
             if not produced and start == 0 and not skip:

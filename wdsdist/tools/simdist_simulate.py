@@ -7,11 +7,11 @@ import gc
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from wdsdist.data.options import parse_nbatches
 from wdsdist.data.shardspec import Access
-from wdsdist.data.splits import Plan, RankPlan, plan
+from wdsdist.data.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
 from wdsdist.errors import UserError
 from wdsdist.tools.simdist_layouts import IMAGE_SIZE, Layout
 
@@ -30,8 +30,16 @@ class Settings:
     nepochs: int = 1
     cross_shuffle: int = 0  # samples shuffled across workers before re-batching; 0: off
     seed: int = 0
+    split: str = "shards"  # shards: whole shards per rank and worker; samples: equal spans of the epoch's samples
+    remainder: str = "pad"  # split=samples: pad or drop
 
     def __post_init__(self) -> None:
+        if self.split not in ("shards", "samples"):
+            raise UserError(f"--split {self.split}: must be shards or samples")
+        if self.remainder not in REMAINDERS:
+            raise UserError(f"--remainder {self.remainder}: must be pad or drop")
+        if self.split == "samples" and self.dsrepeat > 1:
+            raise UserError("--dsrepeat applies to --split shards (split=samples needs no repetition)")
         for name in ("size", "batch_size", "dsrepeat", "repeat", "nepochs"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -138,6 +146,8 @@ def delivered(rank: RankPlan, settings: Settings, cut: int | None) -> RankEpoch:
 
 def simulate_plan(layout: Layout, settings: Settings) -> Simulation:
     """Per-rank counts from sample counts alone."""
+    if settings.split == "samples":
+        return _simulate_sample_plan(layout, settings)
     try:
         one_pass = plan(
             layout.counts,
@@ -157,6 +167,44 @@ def simulate_plan(layout: Layout, settings: Settings) -> Simulation:
     else:
         cut = settings.nbatches  # type: ignore[assignment]
     return Simulation(layout, settings, one_pass, cut, [delivered(r, settings, cut) for r in one_pass.ranks])
+
+
+def _simulate_sample_plan(layout: Layout, settings: Settings) -> Simulation:
+    """split=samples: the loader's own plan (equal spans); a layout it refuses is refused here too."""
+    try:
+        one_pass = plan_samples(
+            layout.counts,
+            settings.size,
+            settings.nworkers,
+            settings.batch_size,
+            remainder=settings.remainder,
+            rebatch=settings.cross_shuffle > 0,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    problems = one_pass.problems()
+    if problems:
+        raise UserError(f"the training loader refuses this layout: {problems[0]}")
+    per_epoch = settings.repeat * one_pass.ranks[0].available
+    cut = per_epoch if settings.nbatches == "auto" else settings.nbatches
+    return Simulation(layout, settings, one_pass, cut, [delivered(r, settings, cut) for r in one_pass.ranks])  # type: ignore[arg-type]
+
+
+def sample_coverage(p: Plan, batches: int) -> tuple[int, int]:
+    """split=samples: (delivered, distinct) samples of one epoch when every rank delivers
+    ``batches`` batches of its span: intervals of the epoch's sequence, positions past its end
+    being its first samples again. Arithmetic on O(ranks) intervals, no per-sample lists."""
+    total, size = p.total_samples, p.batch_size
+    spans = [(r.span[0], min(r.span[1], r.span[0] + batches * size)) for r in p.ranks if r.span]
+    inside = [(a, min(b, total)) for a, b in spans if a < total]
+    wrapped = [(max(a, total) - total, b - total) for a, b in spans if b > total]
+    merged: list[list[int]] = []
+    for a, b in sorted(inside + wrapped):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        elif a < b:
+            merged.append([a, b])
+    return sum(b - a for a, b in spans), sum(b - a for a, b in merged)
 
 
 # ---------------------------------------------------------------- real mode
@@ -207,6 +255,8 @@ def simulate_real(
         partial=settings.partial,
         nbatches=sim.cut if sim.cut else None,
         dsrepeat=settings.dsrepeat,
+        split=settings.split,
+        remainder=settings.remainder,
         with_keys=True,
         trace=showopen,
         strict=True,  # a simulator reports bad data at once: skipping it would change the counts
@@ -224,7 +274,12 @@ def simulate_real(
                 for results in epochs:
                     results.append(RankEpoch({}, why))
                 continue
-            loader = RankLoader(list(shards), rank, settings.size, config, None, None)  # no plan: to the data's end
+            counted = [
+                s if s.nsamples is not None else replace(s, nsamples=n)
+                for s, n in zip(shards, sim.layout.counts, strict=True)
+            ]
+            # No plan: each pass runs to the data's end (split=samples: the end of the rank's span).
+            loader = RankLoader(counted, rank, settings.size, config, None, None)
             try:
                 for results, epoch_keys in zip(epochs, keys, strict=True):
                     results.append(_run_epoch(loader, settings.repeat, sim.cut, epoch_keys))

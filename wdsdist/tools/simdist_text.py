@@ -9,7 +9,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from wdsdist.data.splits import nearest_divisible, suggest_dsrepeat
-from wdsdist.tools.simdist_simulate import Coverage, RankEpoch, RealRun, Simulation, plural, simulate_plan
+from wdsdist.tools.simdist_simulate import (
+    Coverage,
+    RankEpoch,
+    RealRun,
+    Simulation,
+    plural,
+    sample_coverage,
+    simulate_plan,
+)
 
 SHOWN_RANKS = 32  # more ranks than this: a summary plus the first and last few (--verbose: all)
 
@@ -118,6 +126,10 @@ def sample_balance(sim: Simulation) -> tuple[int, int, int]:
     repetition, which samples repeat depends on the shuffle, so these are lower bounds; real
     mode counts keys.
     """
+    if sim.plan.split == "samples":
+        batches = 0 if sim.expected[0].refused else sim.expected[0].batches
+        got, distinct = sample_coverage(sim.plan, batches)
+        return got, sim.layout.total - distinct, got - distinct
     total = dropped = repeated = 0
     for rank, result in zip(sim.plan.ranks, sim.expected, strict=True):
         share = rank.samples // sim.settings.dsrepeat
@@ -132,6 +144,22 @@ def balance_line(sim: Simulation) -> str:
     got, dropped, repeated = sample_balance(sim)
     total = sim.layout.total
     bounds = sim.settings.dsrepeat > 1 or sim.settings.repeat > 1
+    if sim.plan.split == "samples":
+        p, cut = sim.plan, sim.cut
+        how = (
+            f"split=samples, remainder={p.remainder}: "
+            + (
+                f"pads {p.padded} (the epoch's first samples again)"
+                if p.remainder == "pad"
+                else f"drops {p.dropped} (the epoch's last samples)"
+            )
+            + f", under {p.world} ranks x batch {p.batch_size} = {p.world * p.batch_size}"
+            + (f"; the cut at {cut} leaves out more" if cut is not None and cut < p.ranks[0].available else "")
+        )
+        return (
+            f"samples per epoch: {got} delivered for {total} in the data set: drops {dropped} "
+            f"({percent(dropped, total)}), repeats {repeated} ({percent(repeated, total)}) [{how}]"
+        )
     return (
         f"samples per epoch: {got} delivered for {total} in the data set: drops {dropped} ({percent(dropped, total)}), "
         f"repeats {repeated} ({percent(repeated, total)})"
@@ -276,6 +304,12 @@ def parameter_lines(sim: Simulation, real: bool) -> list[str]:
         f"  dsrepeat      {settings.dsrepeat} (passes over the shards inside each worker)",
         f"  repeat        {settings.repeat} (loader passes per epoch)",
         f"  cross-shuffle {settings.cross_shuffle}" + (" (re-batch across workers)" if settings.cross_shuffle else ""),
+        f"  split         {settings.split}"
+        + (
+            " (whole shards per rank and worker)"
+            if settings.split == "shards"
+            else f" (equal spans of the epoch's sample sequence), remainder {settings.remainder}"
+        ),
         f"  nepochs       {settings.nepochs}",
     ]
 
@@ -288,6 +322,8 @@ def split_lines(sim: Simulation, verbose: bool) -> list[str]:
         return f"[{head}{', ...' if len(indices) > 8 else ''}]"
 
     plan, settings = sim.plan, sim.settings
+    if plan.split == "samples":
+        return _span_lines(sim, verbose)
     out = ["splits (shard i is the i-th of the shard list; worker samples and batches per loader pass):"]
     if sim.layout.shards:
         out.append(f"  shard 0 = {sim.layout.shards[0].url}, shard {plan.nshards - 1} = {sim.layout.shards[-1].url}")
@@ -309,6 +345,28 @@ def split_lines(sim: Simulation, verbose: bool) -> list[str]:
     return out
 
 
+def _span_lines(sim: Simulation, verbose: bool) -> list[str]:
+    """split=samples: each rank's and worker's span of the epoch's sample sequence."""
+    plan = sim.plan
+    out = [
+        f"splits (split=samples: spans of the epoch's sequence of {plan.total_samples} samples, shards in an "
+        f"order new every epoch; positions from {plan.total_samples} on are the sequence's first samples again):"
+    ]
+    shown = shown_ranks(sim.expected, verbose)
+    for index in shown:
+        rank = plan.ranks[index]
+        a, b = rank.span or (0, 0)
+        out.append(f"rank {index}: positions {a}..{b - 1}, {rank.samples} samples, {rank.available} batches")
+        for worker in rank.workers:
+            a, b = worker.span or (0, 0)
+            out.append(
+                f"  worker {worker.worker}: positions {a}..{b - 1}, {worker.samples} samples, {worker.batches} batches"
+            )
+    if len(shown) < len(plan.ranks):
+        out.append(f"  ({len(plan.ranks) - len(shown)} ranks not shown; --verbose shows all)")
+    return out
+
+
 def coverage_line(epoch: int, coverage: Coverage, sim: Simulation) -> str:
     settings, cut, reach = sim.settings, sim.cut, sim.reach
     short_dropped = not settings.partial and any(
@@ -321,6 +379,14 @@ def coverage_line(epoch: int, coverage: Coverage, sim: Simulation) -> str:
         f"missing {coverage.missing} ({percent(coverage.missing, coverage.total)})"
     )
     why = []
+    if sim.plan.split == "samples":
+        if coverage.missing and sim.plan.dropped:
+            why.append(f"remainder=drop leaves out the epoch's last {sim.plan.dropped}")
+        if coverage.missing and cut is not None and cut < max(reach):
+            why.append("the cut at --nbatches drops the rest of every rank's span")
+        if coverage.duplicated:
+            why.append(f"remainder=pad delivers the epoch's first {sim.plan.padded} samples twice")
+        return line + (f" [{'; '.join(why)}]" if why else "")
     if coverage.missing:
         if cut is not None and cut < max(reach):
             why.append("the cut at --nbatches drops the rest of longer ranks")

@@ -18,6 +18,7 @@ from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
 
 if TYPE_CHECKING:
+    from wdsdist.data.splits import Plan
     from wdsdist.train.trainer import Run
 
 
@@ -223,7 +224,15 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
     if cfg.trainer.resume == "auto" and run.resume_path is None:
         report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
     plan = run.feed.loader.plan
-    if plan is not None:
+    if plan is not None and plan.split == "samples":
+        report.line(plan_line(plan), console=False)
+        # The padding (or drop) is the same every epoch; one point per epoch, so it sits beside the curves.
+        per_epoch = plan.batches[0]
+        for epoch in range(run.start // per_epoch if per_epoch else 0, -(-run.steps // per_epoch) if per_epoch else 0):
+            report.scalars(
+                epoch * per_epoch, {"data/padded_samples": plan.padded, "data/dropped_samples": plan.dropped}
+            )
+    elif plan is not None:
         report.line(
             f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "
             f"workers; batches per rank per pass {plan.min_available}..{plan.max_available}"
@@ -232,6 +241,22 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         )
     if run.steps > run.start:
         report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+
+
+def plan_line(plan: Plan) -> str:
+    """split=samples: the epoch's size, and exactly what the remainder costs."""
+    delivered = plan.world * plan.ranks[0].available * plan.batch_size
+    if plan.padded:
+        rest = f"pad: {plan.padded} samples (the epoch's first) delivered twice"
+    elif plan.dropped:
+        rest = f"drop: {plan.dropped} samples (the epoch's last) left out"
+    else:
+        rest = "nothing padded or dropped"
+    return (
+        f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "
+        f"workers, split=samples: {plan.ranks[0].available} batches of {plan.batch_size} per rank per epoch "
+        f"({delivered} samples), {rest}" + (f"; cut to {plan.nbatches}" if plan.nbatches is not None else "")
+    )
 
 
 def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
