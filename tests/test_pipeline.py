@@ -179,7 +179,7 @@ def test_resume_with_other_worker_count_is_refused(tiny_shards):
 
 def test_check_layout_refuses_what_would_hang(tiny_shards):
     shards = shardspec.expand(str(tiny_shards(COUNTS)))
-    with pytest.raises(UserError, match=r"unequal batch counts per epoch \(\d+\.\.\d+\)"):
+    with pytest.raises(UserError, match=r"unequal batch counts per epoch \(\d+\.\.\d+\).*use split=samples"):
         check_layout(shards, 2, cfg())
     with pytest.raises(UserError, match="worker 2 gets no shard"):
         check_layout(shards, 3, cfg(workers=3, mode="repeat"))

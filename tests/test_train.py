@@ -278,7 +278,8 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
     # Both ranks refuse; rank 0 says why, once (torchrun then adds its own failure report).
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
-    assert "ranks deliver unequal batch counts per epoch (4..8)" in errors[0] and "nbatches=4" in errors[0]
+    assert "ranks deliver unequal batch counts per epoch (4..8)" in errors[0] and "loader.nbatches=4" in errors[0]
+    assert "use loader.split=samples" in errors[0]
     assert "rank      : 1 (local_rank: 1)" in proc.stderr and "exitcode  : 2" in proc.stderr
 
 

@@ -143,8 +143,8 @@ class Plan:
             lo, hi = self.min_available, self.max_available
             out.append(
                 f"ranks deliver unequal batch counts per epoch ({lo}..{hi}); DDP would hang at the "
-                f"end of the epoch: cut with nbatches={lo} (or auto), or use "
-                f"{nearest_divisible(self.nshards, self.world * self.nworkers)} shards"
+                f"end of the epoch: use split=samples (equal spans of the epoch's samples), cut with "
+                f"nbatches={lo} (or auto), or use {nearest_divisible(self.nshards, self.world * self.nworkers)} shards"
             )
         return out
 

@@ -101,7 +101,7 @@ def in_config_terms(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
     except UserError as exc:
-        raise UserError(re.sub(r"(?<![\w.])(nbatches|dsrepeat)(?=[<>=])", r"loader.\1", str(exc))) from None
+        raise UserError(re.sub(r"(?<![\w.])(nbatches|dsrepeat|split)(?=[<>=])", r"loader.\1", str(exc))) from None
 
 
 # ---------------------------------------------------------------- setup
