@@ -125,11 +125,17 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def open_url(url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> http.client.HTTPResponse:
-    """Open an http(s) URL for reading with the limits above (``min_rate`` 0: no rate check).
+def open_url(
+    url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE, start: int = 0, end: int | None = None
+) -> http.client.HTTPResponse:
+    """Open an http(s) URL for reading with the limits above (``min_rate`` 0: no rate check),
+    from byte ``start`` up to ``end`` (exclusive; None: the end) with a Range request: a server
+    that does not answer it with those bytes (206) is an error, not a silent whole file.
     Raises OSError (URLError, HTTPError, TimeoutError) naming what went wrong."""
     if urllib.parse.urlsplit(url).scheme.lower() not in SCHEMES:
         raise urllib.error.URLError(f"not an http(s) URL: {url}")
+    if start < 0 or (end is not None and end <= start):
+        raise ValueError(f"{url}: bad byte range {start}-{end}")
     opener = urllib.request.OpenerDirector()
     # Only these handlers: no ftp:, file: or data: URL is ever opened, whatever a server says.
     for handler in (
@@ -142,7 +148,14 @@ def open_url(url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> http
         urllib.request.HTTPErrorProcessor(),
     ):
         opener.add_handler(handler)
-    return opener.open(url, timeout=timeout)
+    if start == 0 and end is None:
+        return opener.open(url, timeout=timeout)
+    wanted = f"bytes={start}-{'' if end is None else end - 1}"
+    response = opener.open(urllib.request.Request(url, headers={"Range": wanted}), timeout=timeout)
+    if response.status != 206 or not response.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+        response.close()
+        raise OSError(f"the server ignored the byte range {wanted} (answered {response.status}, not 206)")
+    return response
 
 
 def read_capped(url: str, limit: int, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen
+from wdsdist.data import httpopen, s3open
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
@@ -54,11 +54,15 @@ def write_beside(path: str, data: bytes) -> str:
 
 
 def index_desc(path: str, shards: Sequence[tuple[str, int]], **extra: Any) -> dict:
-    """The index for shards, with local shard URLs relative to the index's folder."""
-    base = os.path.dirname(os.path.abspath(path))
+    """The index for shards, with shard URLs relative to the index's folder: local shards of a
+    local index, and objects in the folder of an index at an s3:// or gs:// URL."""
+    in_store = s3open.is_object_url(path)
+    base = s3open.folder_url(path) if in_store else os.path.dirname(os.path.abspath(path))
     shardlist = []
     for url, n in shards:
-        if not ("://" in url or url.startswith("pipe:")):
+        if in_store:
+            url = url.removeprefix(base)
+        elif not ("://" in url or url.startswith("pipe:")):
             url = os.path.relpath(os.path.abspath(url), base)
         shardlist.append({"url": url, "nsamples": int(n)})
     return {
@@ -118,9 +122,14 @@ def count_samples(url: str) -> int:
             # Random access: headers only, member data is skipped with seeks.
             with tarfile.open(url, mode="r:*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())
-        # http(s) the way the loader reads it (httpopen's limits), not through curl.
+        # http(s) and object stores the way the loader reads them (their limits), not through a CLI.
         if url.startswith(("http://", "https://")):
             stream = httpopen.open_url(url, HTTP_TIMEOUT)
+        elif s3open.is_object_url(url):
+            try:
+                stream = s3open.open_url(url, HTTP_TIMEOUT)
+            except OSError as exc:  # no object, no access: not a question of the tar format
+                raise UserError(f"{url}: cannot read shard: {exc}") from None
         else:
             stream = wds.gopen(url, "rb")
         try:
