@@ -421,6 +421,14 @@ def test_an_s3_index_resolves_relative_entries_and_keeps_them_in_its_folder(stor
         shardspec.expand("s3://just-a-bucket")
 
 
+def test_an_oversized_index_in_a_bucket_is_refused(store, monkeypatch):
+    monkeypatch.setattr(shardspec, "MAX_INDEX_BYTES", 100)  # val.index.json is ~400 bytes
+    with pytest.raises(
+        UserError, match=rf"cannot read shard index {VAL_INDEX}: it is more than the limit of 100 bytes"
+    ):
+        shardspec.expand(VAL_INDEX, access=shardspec.Access(s3_endpoint_url=store["endpoint"]))
+
+
 def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
     import subprocess
     import sys
