@@ -315,7 +315,7 @@ def simdist_plan(spec: str, **env: str):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing-key", "missing-bucket", "no-credentials", "outside-the-bucket"],
+    ["missing-key", "missing-bucket", "no-credentials", "no-such-profile", "outside-the-bucket"],
 )
 def test_startup_errors_are_one_line_naming_the_url(store, case):
     at = store["endpoint"]
@@ -337,6 +337,9 @@ def test_startup_errors_are_one_line_naming_the_url(store, case):
                 f"not in the index's own bucket s3://{BUCKET}/ (data.trust_index=true allows it)"
             ),
         )
+    elif case == "no-such-profile":
+        env |= {"AWS_PROFILE": "nope"}
+        spec, want = f"s3://{BUCKET}/train/train.index.json", "The config profile (nope) could not be found"
     else:
         env |= {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
         spec = f"s3://{BUCKET}/train/train.index.json"
@@ -419,6 +422,8 @@ def test_an_s3_index_resolves_relative_entries_and_keeps_them_in_its_folder(stor
     assert [s.url for s in trusted] == [f"s3://{BUCKET}/nested/x.tar"]
     with pytest.raises(UserError, match="s3://just-a-bucket: need s3://BUCKET/KEY or gs://BUCKET/KEY"):
         shardspec.expand("s3://just-a-bucket")
+    assert s3open.join(f"s3://{BUCKET}/a/i.json", "../../x.tar") is None  # above the bucket's root
+    assert s3open.join(f"s3://{BUCKET}/i.json", "./x.tar") == f"s3://{BUCKET}/x.tar"
 
 
 def test_an_oversized_index_in_a_bucket_is_refused(store, monkeypatch):

@@ -39,7 +39,17 @@ _REFUSED_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredT
 
 _lock = threading.Lock()
 _clients: dict[tuple, Any] = {}
-_clients_pid = [0]
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a DataLoader worker) must not use its parent's clients, nor a lock
+    # another parent thread may have held at the fork.
+    global _lock
+    _lock = threading.Lock()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def is_object_url(url: str) -> bool:
@@ -76,10 +86,10 @@ def join(base: str, relative: str) -> str | None:
     """``relative`` resolved against the folder of the object ``base`` (as urljoin does for
     http, which it does not know these schemes for); None where ``..`` leaves the bucket."""
     scheme, bucket, key = split(base)
-    path = posixpath.normpath(posixpath.join("/", posixpath.dirname(key), relative))
-    if relative.endswith("/"):
-        path += "/"
-    return f"{scheme}://{bucket}/{path.lstrip('/')}" if path.strip("/") else None
+    path = posixpath.normpath(posixpath.join(posixpath.dirname(key), relative))
+    if path in (".", "..") or path.startswith(("../", "/")):
+        return None
+    return f"{scheme}://{bucket}/{path}"
 
 
 def folder_url(url: str) -> str:
@@ -97,9 +107,6 @@ def reset_clients() -> None:
 
 def _client(scheme: str, endpoint_url: str | None, timeout: float) -> Any:
     with _lock:
-        if _clients_pid[0] != os.getpid():  # forked: the parent's clients are not ours to use
-            _clients.clear()
-            _clients_pid[0] = os.getpid()
         key = (scheme, endpoint_url, timeout)
         client = _clients.get(key)
         if client is None:
@@ -177,11 +184,13 @@ def _call(url: str, timeout: float, endpoint_url: str | None, method: str, **par
     from botocore import exceptions as bx
 
     scheme, bucket, key = split(url)
-    client = _client(scheme, endpoint_url, timeout)
+    client = None
     try:
+        client = _client(scheme, endpoint_url, timeout)  # a profile that does not exist fails here
         return getattr(client, method)(Bucket=bucket, Key=key, **params)
     except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise _os_error(exc, url, client.meta.endpoint_url, timeout) from None
+        endpoint = client.meta.endpoint_url if client is not None else endpoint_url or "the default endpoint"
+        raise _os_error(exc, url, endpoint, timeout) from None
 
 
 class _Body(io.RawIOBase):
@@ -270,7 +279,12 @@ def check_credentials(url: str) -> None:
     store; on a machine without credentials in the environment or a profile, boto3 asks the
     instance metadata service (a second at most)."""
     import boto3
+    from botocore.exceptions import BotoCoreError
 
     scheme, _, _ = split(url)
-    if boto3.session.Session().get_credentials() is None:
+    try:
+        credentials = boto3.session.Session().get_credentials()
+    except BotoCoreError as exc:  # an AWS_PROFILE that does not exist, a broken config file
+        raise PermissionError(f"no credentials: {' '.join(str(exc).split())}") from None
+    if credentials is None:
         raise PermissionError(_no_credentials(scheme))
