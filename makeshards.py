@@ -64,6 +64,9 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
             raise UserError(f"--output {exc}") from None
         if not shardspec.is_index(output):
             raise UserError(f"--output {output}: an index's name ends in .json (readers know it by that)")
+        local = next((s.url for s in shards if not s3open.is_object_url(s.url)), None)
+        if local is not None:
+            raise UserError(f"--output {output}: an index in a bucket names objects, and {local} is not one")
     elif not os.path.isdir(os.path.dirname(output) or "."):
         raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
     counts = [(s.url, count_samples(s.url)) for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0)]
@@ -75,7 +78,8 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False) -> dict:
             s3open.put_bytes(output, index_bytes(desc), HTTP_TIMEOUT)
         except OSError as exc:
             raise UserError(f"--output {output}: cannot upload the index: {exc}") from None
-        outside = [e["url"] for e in desc["shardlist"] if "://" in e["url"]]
+        home = s3open.bucket_url(output)
+        outside = [e["url"] for e in desc["shardlist"] if "://" in e["url"] and s3open.bucket_url(e["url"]) != home]
     else:
         desc = write_index(output, counts, name=name)
         outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]

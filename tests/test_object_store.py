@@ -150,6 +150,9 @@ def test_makeshards_index_of_an_s3_spec_uploads_it_and_simdist_reads_it(store, t
     local = tmp_path / "made.index.json"
     s3open.reset_clients()  # AWS_ENDPOINT_URL is read when a client is made
     makeshards.index_only(train_spec(), str(local))
+    local_shards = str(store["local"]["train"] / "train-{000000..000001}.tar")
+    with pytest.raises(UserError, match=r"an index in a bucket names objects, and .*train-000000.tar is not one"):
+        makeshards.index_only(local_shards, f"s3://{BUCKET}/local.index.json")
     urls = [e["url"] for e in json.loads(local.read_text())["shardlist"]]
     assert urls == [f"s3://{BUCKET}/train/train-{i:06d}.tar" for i in range(4)]
     # simdist, real mode, on the uploaded index: the loader reads every shard from the store.
