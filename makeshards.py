@@ -5,6 +5,7 @@ makeshards.py --source /data/imagenet/train --shards /data/shards --prefix image
 makeshards.py --synthetic 2000 --shards data/synth --prefix synth-train
 makeshards.py --synthetic 500 --split val --shards data/synth --prefix synth-val
 makeshards.py --index 'data/other-{000000..000009}.tar'
+makeshards.py --index 's3://bucket/train/shard-{000000..000099}.tar' --output s3://bucket/train/train.index.json
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ import sys
 
 from tqdm import tqdm
 
-from wdsdist.data import shardspec
-from wdsdist.data.index import OFFSET_EVERY, count_samples, local_sample_offsets, write_index
+from wdsdist.data import s3open, shardspec
+from wdsdist.data.index import (
+    HTTP_TIMEOUT,
+    OFFSET_EVERY,
+    count_samples,
+    index_bytes,
+    index_desc,
+    local_sample_offsets,
+    write_index,
+)
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
 
@@ -44,7 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="index the byte offset of every K-th sample of plain tar shards, for reads from mid-shard "
         "(0: none; default: %(default)s)",
     )
-    p.add_argument("--output", help="with --index: the index file (default: beside the first shard)")
+    p.add_argument(
+        "--output",
+        help="with --index: the index file, or an s3:// or gs:// URL to upload it to (default: beside the first shard)",
+    )
     p.add_argument("--allow-pipe", action="store_true", help="with --index: open pipe: shards (a shell command)")
     return p.parse_args(argv)
 
@@ -53,21 +65,44 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_e
     access = shardspec.Access(allow_pipe=allow_pipe)
     shards = shardspec.expand(spec, access=access)
     shardspec.refuse_pipes(shards, access)  # counting opens every shard
+    shardspec.check_credentials(shards)
     first = shards[0].url
     name = re.sub(r"[-_.]?\d+$", "", os.path.basename(first).split(".")[0]) or "shards"
     if output is None:
         if shardspec.is_remote(first):
-            raise UserError("--index of remote shards needs --output FILE")
+            raise UserError("--index of remote shards needs --output FILE (or an s3:// or gs:// URL to upload it to)")
         output = os.path.join(os.path.dirname(first), f"{name}.index.json")
-    if not os.path.isdir(os.path.dirname(output) or "."):
+    upload = s3open.is_object_url(output)
+    if upload:
+        try:
+            s3open.split(output)
+        except ValueError as exc:
+            raise UserError(f"--output {exc}") from None
+        if not shardspec.is_index(output):
+            raise UserError(f"--output {output}: an index's name ends in .json (readers know it by that)")
+        local = next((s.url for s in shards if not s3open.is_object_url(s.url)), None)
+        if local is not None:
+            raise UserError(f"--output {output}: an index in a bucket names objects, and {local} is not one")
+    elif not os.path.isdir(os.path.dirname(output) or "."):
         raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
     counts, offsets = [], []
     for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0):
         n = count_samples(s.url)
         counts.append((s.url, n))
         offsets.append(_offsets(s.url, n) if offset_every and os.path.isfile(s.url) else None)
-    desc = write_index(output, counts, offsets=offsets, offset_every=offset_every, name=name)
-    outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
+    if upload:
+        # One PUT after all counting: the object appears whole or not at all. Shards in its
+        # folder are named relative to it, so the bucket's index works wherever it is copied.
+        desc = index_desc(output, counts, offsets=offsets, offset_every=offset_every, name=name)
+        try:
+            s3open.put_bytes(output, index_bytes(desc), HTTP_TIMEOUT)
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot upload the index: {exc}") from None
+        home = s3open.bucket_url(output)
+        outside = [e["url"] for e in desc["shardlist"] if "://" in e["url"] and s3open.bucket_url(e["url"]) != home]
+    else:
+        desc = write_index(output, counts, offsets=offsets, offset_every=offset_every, name=name)
+        outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
     if outside:
         print(
             f"note: {output} names shards outside its folder (first {outside[0]}); readers refuse that unless told "
@@ -96,7 +131,7 @@ def main() -> int:
     # Before anything is read or opened: outputs are local files, never pipe: commands or URLs.
     if args.index is None:
         check_local_output(args.shards, f"--shards {args.shards}")
-    elif args.output is not None:
+    elif args.output is not None and not s3open.is_object_url(args.output):
         check_local_output(args.output, f"--output {args.output}")
     if args.index:
         desc = index_only(args.index, args.output, args.allow_pipe, args.offset_every)

@@ -56,6 +56,8 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "max_member_bytes": 5678,
         "http_timeout": 3.5,
         "http_min_rate": 9,
+        "s3_endpoint_url": "http://minio.local:9000",
+        "gs_endpoint_url": "http://gcs.local:4443",
     }
     stream = {
         "mode": "epoch",

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen, tarread
+from wdsdist.data import httpopen, s3open, tarread
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
@@ -69,13 +69,17 @@ def index_desc(
     offset_every: int = OFFSET_EVERY,
     **extra: Any,
 ) -> dict:
-    """The index for shards, with local shard URLs relative to the index's folder. ``offsets``:
+    """The index for shards, with shard URLs relative to the index's folder: local shards of a
+    local index, and objects in the folder of an index at an s3:// or gs:// URL. ``offsets``:
     per shard, the byte offset of each of its samples (None: unknown), of which the index keeps
     every ``offset_every``-th (0: none)."""
-    base = os.path.dirname(os.path.abspath(path))
+    in_store = s3open.is_object_url(path)
+    base = s3open.folder_url(path) if in_store else os.path.dirname(os.path.abspath(path))
     shardlist = []
     for i, (url, n) in enumerate(shards):
-        if not ("://" in url or url.startswith("pipe:")):
+        if in_store:
+            url = url.removeprefix(base)
+        elif not ("://" in url or url.startswith("pipe:")):
             url = os.path.relpath(os.path.abspath(url), base)
         entry = {"url": url, "nsamples": int(n)}
         known = offsets[i] if offsets is not None else None
@@ -162,9 +166,14 @@ def count_samples(url: str) -> int:
             # Random access: headers only, member data is skipped with seeks.
             with tarfile.open(url, mode="r:*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())
-        # http(s) the way the loader reads it (httpopen's limits), not through curl.
+        # http(s) and object stores the way the loader reads them (their limits), not through a CLI.
         if url.startswith(("http://", "https://")):
             stream = httpopen.open_url(url, HTTP_TIMEOUT)
+        elif s3open.is_object_url(url):
+            try:
+                stream = s3open.open_url(url, HTTP_TIMEOUT)
+            except OSError as exc:  # no object, no access: not a question of the tar format
+                raise UserError(f"{url}: cannot read shard: {exc}") from None
         else:
             stream = wds.gopen(url, "rb")
         try:

@@ -59,6 +59,9 @@ class SampleOptions:
     max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
     http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s a server must send per http_timeout waited; 0: off
+    # http_timeout and http_min_rate hold for s3:// and gs:// too. Endpoints (null: the default):
+    s3_endpoint_url: str | None = None  # S3-compatible store (MinIO, Ceph, R2); null: AWS_ENDPOINT_URL or AWS
+    gs_endpoint_url: str | None = None  # null: https://storage.googleapis.com (Cloud Storage's S3 API)
 
 
 @dataclass(kw_only=True)
@@ -116,7 +119,14 @@ class LoaderConfig(SampleOptions, StreamOptions):
 
     @property
     def access(self) -> shardspec.Access:
-        return shardspec.Access(self.allow_pipe, self.trust_index, self.http_timeout, self.http_min_rate)
+        return shardspec.Access(
+            allow_pipe=self.allow_pipe,
+            trust_index=self.trust_index,
+            http_timeout=self.http_timeout,
+            http_min_rate=self.http_min_rate,
+            s3_endpoint_url=self.s3_endpoint_url,
+            gs_endpoint_url=self.gs_endpoint_url,
+        )
 
     @property
     def by_samples(self) -> bool:

@@ -260,6 +260,7 @@ def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfi
     else:
         shards = shardspec.expand(spec, strict=cfg.strict, access=cfg.access)  # type: ignore[arg-type]
     shardspec.refuse_pipes(shards, cfg.access)
+    shardspec.check_credentials(shards)
     return shards
 
 

@@ -3,7 +3,8 @@
 A spec is one of:
   - a brace pattern or glob of local files: ``data/train-{000000..000099}.tar``, ``data/*.tar``
   - several specs joined by ``::`` (WebDataset's separator), or a Python list of specs
-  - ``http(s)://`` and ``pipe:`` URLs (brace patterns allowed, not checked for existence)
+  - ``http(s)://``, ``s3://``, ``gs://`` and ``pipe:`` URLs (brace patterns allowed, not checked
+    for existence)
   - the path or URL of an index JSON (``*.json``), which also gives ``nsamples`` per shard;
     relative shard URLs in it are resolved against the index's location. An index is data,
     not configuration: what it may name is checked here, the one place (see ``Access``).
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import braceexpand
 
-from wdsdist.data import httpopen
+from wdsdist.data import httpopen, s3open
 from wdsdist.errors import UserError
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")
@@ -76,14 +77,24 @@ class Access:
     """What reading a spec may do beyond local files the user named.
 
     ``allow_pipe``: ``pipe:`` URLs (a shell command) may run. ``trust_index``: an index may name
-    shards outside its own place (absolute paths, ``..``, another server, other URL schemes, and
-    with ``allow_pipe`` also ``pipe:``); without it a local index names files inside its folder or
-    URLs, and a remote index names http(s) URLs on its own server (scheme, host and port)."""
+    shards outside its own place (absolute paths, ``..``, another server or bucket, other URL
+    schemes, and with ``allow_pipe`` also ``pipe:``); without it a local index names files inside
+    its folder or URLs, an http(s) index names http(s) URLs on its own server (scheme, host and
+    port), and an s3:// or gs:// index names objects in its own bucket.
+
+    ``http_timeout`` and ``http_min_rate`` hold for object stores too; ``s3_endpoint_url`` and
+    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go."""
 
     allow_pipe: bool = False
     trust_index: bool = False
     http_timeout: float = 60.0
     http_min_rate: int = httpopen.DEFAULT_MIN_RATE
+    s3_endpoint_url: str | None = None
+    gs_endpoint_url: str | None = None
+
+    def endpoint_url(self, url: str) -> str | None:
+        """The configured endpoint of an s3:// or gs:// URL's store."""
+        return self.gs_endpoint_url if url.startswith("gs://") else self.s3_endpoint_url
 
 
 def is_remote(url: str) -> bool:
@@ -102,6 +113,10 @@ def _read_text(url: str, access: Access) -> str:
     try:
         if _is_http(url):
             data = httpopen.read_capped(url, MAX_INDEX_BYTES, access.http_timeout, access.http_min_rate)
+        elif s3open.is_object_url(url):
+            data = s3open.read_capped(
+                url, MAX_INDEX_BYTES, access.http_timeout, access.http_min_rate, endpoint_url=access.endpoint_url(url)
+            )
         else:
             with open(url, "rb") as f:
                 data = f.read(MAX_INDEX_BYTES + 1)
@@ -140,6 +155,7 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
             raise UserError(f"{index_url}: shardlist[{i}]: {url!r}: pipe: URLs are refused (allow_pipe is false)")
         return url
     remote_index = _is_http(index_url)
+    object_index = s3open.is_object_url(index_url)
     match = _SCHEME.match(url)
     if match:
         scheme = match.group(1).lower()
@@ -149,6 +165,8 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
             raise refuse("a file: URL, outside the index's folder")
         if remote_index and (scheme not in httpopen.SCHEMES or _origin(url) != _origin(index_url)):
             raise refuse(f"not on the index's own server {urllib.parse.urljoin(index_url, '/')}")
+        if object_index and s3open.bucket_url(url) != s3open.bucket_url(index_url):
+            raise refuse(f"not in the index's own bucket {s3open.bucket_url(index_url)}")
         return url  # a local index may name any URL but file: (and pipe:)
     if os.path.isabs(url):
         if trust:
@@ -159,6 +177,13 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
         if not trust and not resolved.startswith(urllib.parse.urljoin(index_url, ".")):
             raise refuse("it leads outside the index's folder")
         return resolved
+    if object_index:
+        joined = s3open.join(index_url, url)
+        if joined is None:
+            raise UserError(f"{index_url}: shardlist[{i}]: {url!r} leads outside the bucket")
+        if not trust and not joined.startswith(s3open.folder_url(index_url)):
+            raise refuse("it leads outside the index's folder")
+        return joined
     path = os.path.join(os.path.dirname(index_url), url)
     folder = os.path.abspath(os.path.dirname(index_url))
     if not trust and os.path.commonpath([folder, os.path.abspath(path)]) != folder:
@@ -260,6 +285,9 @@ def _expand_one(spec: str, strict: bool, access: Access) -> list[Shard]:
         return read_index_shards(spec, access)
     urls = list(braceexpand.braceexpand(spec))
     if is_remote(spec):
+        bad = next((u for u in urls if s3open.is_object_url(u) and not s3open.is_object_key(u)), None)
+        if bad is not None:
+            raise UserError(f"shard spec {spec!r}: {bad}: need s3://BUCKET/KEY or gs://BUCKET/KEY")
         return [Shard(u) for u in urls]
     shards: list[Shard] = []
     missing: list[str] = []
@@ -305,6 +333,19 @@ def refuse_pipes(shards: Sequence[Shard], access: Access) -> None:
     piped = [s.url for s in shards if s.url.startswith("pipe:")]
     if piped and not access.allow_pipe:
         raise UserError(f"{piped[0]}: pipe: URLs are refused (allow_pipe is false)")
+
+
+def check_credentials(shards: Sequence[Shard]) -> None:
+    """Credentials for the object stores the shards are in, before any is opened: without them
+    every shard would fail one by one after startup. Callers that open shards call it, as they
+    call ``refuse_pipes`` (a plan from an index's counts needs none)."""
+    first = next((s.url for s in shards if s3open.is_object_url(s.url)), None)
+    if first is None:
+        return
+    try:
+        s3open.check_credentials(first)
+    except OSError as exc:
+        raise UserError(f"{first}: {exc}") from None
 
 
 def sample_counts(shards: Sequence[Shard]) -> list[int] | None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen, shardspec
+from wdsdist.data import httpopen, s3open, shardspec
 from wdsdist.data.shardspec import Access
 from wdsdist.errors import DataError
 
@@ -313,12 +313,17 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
 
     http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
     a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
-    below ``http_min_rate``, and a redirect off http(s) is refused. ``pipe:`` runs its command
+    below ``http_min_rate``, and a redirect off http(s) is refused. s3:// and gs:// go through
+    boto3 (s3open) with the same limits. ``pipe:`` runs its command
     in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
     WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
     """
     if url.startswith(("http://", "https://")):
         return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=start, end=end)
+    if s3open.is_object_url(url):
+        return s3open.open_url(
+            url, access.http_timeout, access.http_min_rate, start=start, end=end, endpoint_url=access.endpoint_url(url)
+        )
     if url.startswith("pipe:"):
         if not access.allow_pipe:
             raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
