@@ -28,9 +28,13 @@ def unwritable(folder: str, what: str, reason: str) -> str:
     """The one line for a folder we cannot write: which folder, who owns the part that exists,
     who we are, and what to do about it."""
     uid, gid = os.getuid(), os.getgid()
-    there = os.path.abspath(folder)
-    while not os.path.lexists(there) and os.path.dirname(there) != there:
+    # The nearest part that exists, named as the user named it: relative stays relative, so
+    # inside a container (cwd /app = the checkout) the fix names the host's folder too.
+    there = os.path.normpath(folder)
+    while not os.path.lexists(there) and os.path.dirname(there) not in ("", there):
         there = os.path.dirname(there)
+    if not os.path.lexists(there) and not os.path.isabs(there):
+        there = "."
     head = f"{what}: cannot write to {folder}/ ({reason.lower()})"
     if os.path.lexists(there) and not os.path.isdir(there):
         return f"{head}: {there} is a file, not a folder; fix: remove it, or choose another folder"
