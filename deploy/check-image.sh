@@ -84,8 +84,8 @@ else
     engine_answers || fail "dockerd did not answer on $OWN_SOCK within 60 s (log: $STATE/dockerd.log)"
   fi
 fi
-if [[ $OURS == 1 ]]; then
-  # Our engine has no bridge network: builds and containers use the host's.
+if [[ $OURS == 1 ]] || ! docker network inspect bridge >/dev/null 2>&1; then
+  # An engine without a bridge network (ours has none): builds and containers use the host's.
   export DOCKER_BUILD_FLAGS=${DOCKER_BUILD_FLAGS:---network host}
   export DOCKER_RUN_FLAGS=${DOCKER_RUN_FLAGS:---network host}
 fi
@@ -147,15 +147,17 @@ uid=$(id -u) gid=$(id -g)
 step jpegcrop docker run --rm --network none --user "$uid:$gid" --entrypoint python3 "$IMAGE" -c \
   "import sys; from wdsdist.data import jpegcrop; lib = jpegcrop.load(); print(lib if isinstance(lib, str) else 'jpegcrop loaded'); sys.exit(isinstance(lib, str))"
 
-say "./run docker train.py (the default job, 20 steps)"
-step train ./run docker train.py trainer.steps=20 "run_dir=$out/train"
-say "./run docker simdist.py --nbatches auto"
+timed() {  # timed NAME CMD...: step, then one line with the command and its time
+  local t=$SECONDS
+  step "$@"
+  shift
+  say "$* ($((SECONDS - t)) s)"
+}
+timed train ./run docker train.py trainer.steps=20 "run_dir=$out/train"
 # Not the bare defaults: they show unequal ranks and exit 1 on purpose (README: "The defaults fail").
-step simdist ./run docker simdist.py --nbatches auto
-say "./run docker makeshards.py"
-step makeshards ./run docker makeshards.py --synthetic 300 --shards "$data" --prefix check
-say "./run docker torchrun --nproc-per-node 2 train.py (two ranks)"
-step torchrun ./run docker torchrun --nproc-per-node 2 train.py trainer.steps=10 "run_dir=$out/ddp"
+timed simdist ./run docker simdist.py --nbatches auto
+timed makeshards ./run docker makeshards.py --synthetic 300 --shards "$data" --prefix check
+timed torchrun ./run docker torchrun --nproc-per-node 2 train.py trainer.steps=10 "run_dir=$out/ddp"
 
 # ---------------------------------------------------------------- checks
 for log in train torchrun; do
@@ -177,7 +179,7 @@ foreign=$(find "$out" "$data" \( ! -uid "$uid" -o ! -gid "$gid" \) -print -quit)
 nfiles=$(find "$out" "$data" -type f | wc -l)
 say "ok: jpegcrop compiled in; TensorBoard events and checkpoints in $out/{train,ddp}, shards in $data/;"
 say "    all $nfiles files owned by $uid:$gid"
-say "image $IMAGE: $(awk -v b="$size" 'BEGIN { printf "%.2f GB (%d bytes)", b / 1e9, b }'), built in ${build_s} s on $BASE"
+say "image $IMAGE: $(awk -v b="$size" 'BEGIN { printf "%.2f GB (%.0f bytes)", b / 1e9, b }'), built in ${build_s} s on $BASE"
 say "logs: $LOGS"
 exit 0
 }
