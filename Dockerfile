@@ -1,31 +1,54 @@
 # A GPU workstation image: Python 3.11 plus requirements.txt. PyPI's torch wheels bundle CUDA,
 # so the host needs only the NVIDIA driver and the container toolkit (docker run --gpus all).
 # Build: ./run build     Run: ./run docker train.py ...   (the same entry points as ./run)
-FROM python:3.11-slim-bookworm
+# Check: ./run check-image (builds it, trains in it, checks what lands in outputs/)
+# BASE_IMAGE: any Debian bookworm image whose python3 is 3.11 with pip (deploy/check-image.sh
+# passes a stand-in where no registry can be reached).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---- runtime: what the final image needs; the jpegcrop stage starts from it too, so the large
+# pip layer is built once and shared.
+FROM ${BASE_IMAGE} AS runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
     WDSDIST_SYSTEM_PYTHON=1
 
-# curl: for pipe:curl shard URLs. gcc and libjpeg-turbo's headers: wdsdist/data/jpegcrop.c, which
-# decodes only the training crop's region of a JPEG. Versions follow the base image's Debian release.
+# curl: for pipe:curl shard URLs. libjpeg62-turbo: the library jpegcrop is linked against (its
+# compiler and headers stay in the jpegcrop stage). Versions follow the base image's Debian release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends curl ca-certificates gcc libc6-dev libjpeg62-turbo-dev \
+    && apt-get install -y --no-install-recommends curl ca-certificates libjpeg62-turbo \
     && rm -rf /var/lib/apt/lists/*
 
-RUN useradd --create-home --uid 1000 app
 WORKDIR /app
-
-# Dependencies first: this layer is rebuilt only when requirements.txt changes.
+# Dependencies first: this layer is rebuilt only when requirements.txt changes. python3 -m pip,
+# not pip: a base image need not have a command named pip.
 COPY requirements.txt ./
-RUN pip install -r requirements.txt
+RUN python3 -m pip install -r requirements.txt
 
-COPY --chown=app:app . .
-# Build jpegcrop now (into .build/), so the container never needs a writable source tree for it.
-RUN python3 -c "import sys; from wdsdist.data import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)" \
-    && mkdir -p data outputs && chown app:app data outputs
+# ---- jpegcrop: wdsdist/data/jpegcrop.c compiled by the code's own loader (the same file name
+# and flags it would use at run time), so the final image needs no compiler.
+FROM runtime AS jpegcrop
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY wdsdist ./wdsdist
+RUN python3 -c "import sys; from wdsdist.data import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)"
+
+# ---- the image
+FROM runtime
+# ./run docker runs as your uid:gid, which has no account here: HOME is somewhere any uid can
+# write (caches of torch, matplotlib, ...).
+ENV HOME=/tmp
+COPY . .
+# Read-only for the user: jpegcrop.load() only opens the prebuilt library.
+COPY --from=jpegcrop /app/.build ./.build
+# data/ and outputs/ for the default user when nothing is mounted over them.
+RUN mkdir -p data outputs && chown 1000:1000 data outputs
 USER 1000:1000
 
 # ./run inside the image uses the image's Python (WDSDIST_SYSTEM_PYTHON=1), not a venv.

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from torch.distributed.run import get_args_parser
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, one_error_line, run_script
 
 BIN = Path(sys.executable).parent
 
@@ -80,13 +80,136 @@ def test_run_docker_mounts_data_and_outputs_with_gpus_and_shared_memory(tmp_path
     assert out[out.index("--shm-size") + 1] == "16g"
     mounts = [out[i + 1] for i, a in enumerate(out) if a == "-v"]
     assert mounts == [f"{ROOT}/data:/app/data", f"{ROOT}/outputs:/app/outputs"]
-    if os.getuid() != 0:
-        assert out[out.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
-    else:
-        assert "--user" not in out  # never root: the image's own user
+    # The invoking uid:gid in every case, root's too: the mounted folders are the invoker's.
+    assert out[out.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
     assert out[-3:] == ["wds-distributed", "train.py", "trainer.steps=5"]
     build = subprocess.run(["./run", "build"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert build.stdout.split() == ["docker", "build", "-t", "wds-distributed", "."]
+
+
+def test_run_build_and_docker_take_engine_flags_from_the_environment(tmp_path):
+    env = _fake_bin(tmp_path, ["docker"])
+    env.update(DOCKER_RUN_FLAGS="--network host -e X=1", DOCKER_BUILD_FLAGS="--network host --pull")
+
+    def run(*args):
+        return subprocess.run(["./run", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+
+    out = run("docker", "simdist.py", "--network").stdout.split()
+    # Engine flags before the image; the container's command after it, untouched.
+    image = out.index("wds-distributed")
+    assert out[image - 4 : image] == ["--network", "host", "-e", "X=1"]
+    assert out[image + 1 :] == ["simdist.py", "--network"]
+    built = run("build", "--build-arg", "BASE_IMAGE=stand-in").stdout.split()
+    assert built == ["docker", "build", "-t", "wds-distributed", "--network", "host", "--pull"] + [
+        "--build-arg",
+        "BASE_IMAGE=stand-in",
+        ".",
+    ]
+    assert "DOCKER_RUN_FLAGS" in run("help").stdout
+
+
+def test_dockerfile_builds_on_any_base_and_leaves_the_compiler_behind():
+    ins = dockerfile_instructions()
+    assert ins[0] == ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm")
+    stages = [args.split() for op, args in ins if op == "FROM"]
+    assert stages[0][0] == "${BASE_IMAGE}" and all(s[0] in ("${BASE_IMAGE}", "runtime") for s in stages)
+    last = max(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    final = " ; ".join(args for op, args in ins[last:] if op == "RUN")
+    assert "gcc" not in final and "-dev" not in final
+    assert any(op == "COPY" and args.startswith("--from=jpegcrop") and ".build" in args for op, args in ins[last:])
+    # python3 -m pip: the stand-in base has no command named pip
+    assert "python3 -m pip install" in " ; ".join(args for op, args in ins if op == "RUN")
+
+
+CHECK_IMAGE = ROOT / "deploy" / "check-image.sh"
+
+
+def test_check_image_script_parses_and_is_not_part_of_the_suite():
+    assert os.access(CHECK_IMAGE, os.X_OK)
+    subprocess.run(["bash", "-n", str(CHECK_IMAGE)], check=True)
+    assert "deploy/check-image.sh" in (ROOT / "run").read_text()
+
+
+FAKE_ENGINE = """#!/usr/bin/env bash
+# A stand-in for the docker command: logs its calls; an engine that answers and builds, whose
+# containers write nothing (so the check must fail on what did not land in outputs/).
+echo "$*" >> "$FAKE_CALLS"
+case "$1" in
+  image) echo 123456789 ;;
+  run) [[ "$*" == *jpegcrop.load* ]] && echo "jpegcrop loaded"
+       [[ "$*" == *simdist.py* ]] && echo "SUCCESS: same batches in all ranks"
+       [[ "$*" == *train.py* ]] && echo "$FAKE_NOTE" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    "note, failure",
+    [
+        ("", "no TensorBoard events in outputs/check-image-"),
+        ("note: no C compiler (cc) to build jpegcrop.c; decoding whole JPEGs (slower)", "jpegcrop is not usable"),
+    ],
+)
+def test_check_image_drives_run_and_fails_in_one_line(tmp_path, note, failure):
+    fake = tmp_path / "bin" / "docker"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_ENGINE)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", DOCKER_HOST="unix:///fake.sock")
+    env.update(WDSDIST_CHECK_DIR=str(tmp_path / "state"), FAKE_CALLS=str(calls), FAKE_NOTE=note)
+    proc = subprocess.run([str(CHECK_IMAGE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("check-image: FAIL: ") and failure in last, proc.stderr
+    made = calls.read_text().splitlines()
+    assert "build -t wds-distributed --build-arg BASE_IMAGE=python:3.11-slim-bookworm ." in made
+    runs = [c.split("wds-distributed ", 1)[1] for c in made if c.startswith("run ") and "--entrypoint" not in c]
+    assert [r.split()[:3] for r in runs] == [
+        ["train.py", "trainer.steps=20", runs[0].split()[2]],
+        ["simdist.py", "--nbatches", "auto"],
+        ["makeshards.py", "--synthetic", "300"],
+        ["torchrun", "--nproc-per-node", "2"],
+    ][: len(runs)] and len(runs) == 4
+    assert all(f"--user {os.getuid()}:{os.getgid()}" in c for c in made if c.startswith("run "))
+
+
+# ---------------------------------------------------------------- unwritable data and output folders
+# The container runs as the invoking uid; a mounted folder owned by another uid used to end in a
+# PermissionError traceback. Tests run as root here, which ignores permission bits: so the
+# folders below cannot be made at all (a regular file stands in the way), or os.access is faked.
+
+
+def test_unwritable_folder_names_its_owner_and_the_fix(tmp_path, monkeypatch):
+    from wdsdist.errors import UserError
+    from wdsdist.tools import outfolder
+
+    owner = tmp_path.stat().st_uid
+    monkeypatch.setattr(outfolder.os, "getuid", lambda: owner + 1)
+    monkeypatch.setattr(outfolder.os, "access", lambda path, mode: False)
+    with pytest.raises(UserError) as err:
+        outfolder.make_output_folder(str(tmp_path / "outputs"), "outputs")
+    msg = str(err.value)
+    assert msg.startswith(f"outputs: cannot write to {tmp_path}/outputs/")
+    assert f"is owned by uid {owner}, you are uid {owner + 1}" in msg and "fix: sudo chown -R" in msg
+
+
+@pytest.mark.parametrize("key", ["outputs", "data.train_shards"])
+def test_trainer_says_which_folder_it_cannot_write(tmp_path, key):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder should be")
+    args = [f"outputs={tmp_path / 'outputs'}", "data.synthetic.train_samples=8", "data.val_shards=null"]
+    if key == "outputs":
+        args[0] = f"outputs={blocker / 'outputs'}"
+        args.append(f"data.train_shards={tmp_path / 'data' / 'train.index.json'}")
+    else:
+        args.append(f"data.train_shards={blocker / 'synthetic' / 'train.index.json'}")
+    proc = run_script("train.py", *args, "trainer.steps=1")
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert line.startswith(f"error: {key}: cannot write to {blocker}/") and f"{blocker} is a file" in line, line
+    assert not (tmp_path / "outputs").exists()
 
 
 def torchrun_args_of(words):

@@ -40,6 +40,7 @@ from wdsdist.data.index import (
 )
 from wdsdist.errors import UserError
 from wdsdist.tools import synthetic
+from wdsdist.tools.outfolder import make_output_folder
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class ShardSink:
         check_local_output(outdir, f"output folder {outdir}")
         if not prefix or "/" in prefix or os.sep in prefix or prefix in (".", ".."):
             raise UserError(f"shard prefix {prefix!r} must be a plain file name (no '/')")
-        os.makedirs(outdir, exist_ok=True)
+        make_output_folder(outdir, "shard output folder")
         self.outdir, self.prefix = outdir, prefix
         self.maxcount, self.maxsize = maxcount, maxsize
         self.counts: list[int] = []

@@ -26,6 +26,7 @@ from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import RankLoader, make_eval_loader, make_loader, resolve_shards
 from wdsdist.data.shardspec import Shard
 from wdsdist.errors import UserError
+from wdsdist.tools.outfolder import make_output_folder
 from wdsdist.tools.shards import check_local_output, from_synthetic
 from wdsdist.train import distributed, faults
 from wdsdist.train.checkpoint import (
@@ -73,6 +74,7 @@ def ensure_synthetic(cfg: DictConfig) -> None:
             if desc["synthetic"] == want and desc["nsamples"] == n:
                 continue
         outdir, prefix = os.path.dirname(index) or ".", os.path.basename(index)[: -len(".index.json")]
+        make_output_folder(outdir, key)
         print(f"writing {n} synthetic {split} images ({s.size}x{s.size}) to {outdir}/ (once)", flush=True)
         from_synthetic(
             n, outdir, prefix, maxcount=s.shard_samples, maxsize=1 << 30, seed=s.seed, split=split, size=s.size
@@ -114,9 +116,10 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str]]:
     restarted = distributed.restart_count() > 0
     on_all_ranks(lambda: refuse_foreign_run_dir(run_dir, cfg.trainer.resume, restarted) if dist.is_main else None)
     on_all_ranks(lambda: ensure_synthetic(cfg) if dist.is_main else None)
+    # Before any rank writes: an unwritable outputs/ stops every rank with one line.
+    on_all_ranks(lambda: make_output_folder(run_dir, "run_dir" if cfg.run_dir else "outputs") if dist.is_main else None)
     stale: list[str] = []
     if dist.is_main:
-        os.makedirs(run_dir, exist_ok=True)
         stale = remove_stale_tmp(run_dir)
         write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
     return run_dir, stale
