@@ -205,7 +205,7 @@ def test_trainer_says_which_folder_it_cannot_write(tmp_path, key):
         args.append(f"data.train_shards={tmp_path / 'data' / 'train.index.json'}")
     else:
         args.append(f"data.train_shards={blocker / 'synthetic' / 'train.index.json'}")
-    proc = run_script("train.py", *args, "trainer.steps=1")
+    proc = run_script("train.py", "data=synthetic", *args, "trainer.steps=1")
     assert proc.returncode == 2
     line = one_error_line(proc)
     assert line.startswith(f"error: {key}: cannot write to {blocker}/") and f"{blocker} is a file" in line, line

@@ -235,7 +235,7 @@ def test_a_bad_label_in_strict_mode_is_one_line_naming_the_shard_and_key(shards,
         ),
         (  # the same with split=samples (the epoch default): 12 batches per rank, no dsrepeat
             ["loader.mode=epoch", "loader.nbatches=100"],
-            "loader.nbatches=100 is more than every rank delivers with split=samples (12 batches of 8 per rank "
+            "loader.nbatches=100 is more than every rank delivers with loader.split=samples (12 batches of 8 per rank "
             "per epoch, from 96 samples): use loader.nbatches<=12",
         ),
     ],
