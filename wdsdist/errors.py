@@ -37,10 +37,17 @@ def run_cli(main: Callable[[], int | None]) -> NoReturn:
     raise SystemExit(rc or 0)
 
 
+_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+
+
 class CliParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one 'error:' line (not the usage block) and exit 2."""
 
     def error(self, message: str) -> NoReturn:
+        extra = message.removeprefix("unrecognized arguments:").split() if message.startswith("unrecognized") else []
+        if any(word.endswith(_SHARD_SUFFIXES) for word in extra):
+            # bash expands an unquoted a-{000..009}.tar into one word per shard; the first went to the option.
+            message += "; a brace pattern the shell expanded? quote it: 'data/train-{000000..000009}.tar'"
         raise UserError(f"{message} (see {self.prog} --help)")
 
 
