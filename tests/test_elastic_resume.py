@@ -8,15 +8,21 @@ from collections import Counter
 
 import pytest
 
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import (
+    ResumePoint,
     WorkerProgress,
+    ranges_length,
     remaining_after,
     resplit_pieces,
     round_robin_progress,
+    saved_progress,
     virtual_to_real,
     whole_epoch,
 )
 from wdsdist.data.splits import plan_samples, rank_batches, sample_span, span_pieces
+from wdsdist.data.stream import shard_order, shuffled_offsets
 
 COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard
 CUMULATIVE = list(itertools.accumulate(COUNTS, initial=0))
@@ -176,3 +182,44 @@ def test_a_second_resize_of_a_huge_epoch_stays_arithmetic():
     third = remaining_after(second, progress2)
     assert len(third) <= len(second) + 512 * 4
     assert sum(b - a for a, b in third) == total - 1024 * 1000 * bs - 512 * 10 * bs
+
+
+@pytest.mark.parametrize("cross, at", [(0, 3), (6, 4), (0, 11)])
+def test_a_loaders_saved_state_names_the_positions_it_delivered(tiny_shards, cross, at):
+    """The real loader, 2 ranks x 2 workers, stopped after ``at`` batches per rank (11: the epoch's
+    end): the checkpoint's seq-based points give exactly the positions its batches carried, and
+    the rest re-split over 3 ranks x 1 worker delivers every key of the epoch once but the padding."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, seed, bs = sum(counts), 3, 3
+    shards = str(tiny_shards(counts))
+    c = LoaderConfig(
+        batch_size=bs, workers=2, mode="epoch", split="samples", image_size=8, with_keys=True, shuffle_buffer=20,
+        cross_shuffle=cross, seed=seed,
+    )  # fmt: skip
+    seen, points = [], []
+    for rank in range(2):
+        loader = make_loader(shards, rank, 2, c)
+        for b in itertools.islice(iter(loader), at):
+            seen += b["pos"].tolist()
+        points.append(ResumePoint.from_state(loader.state_dict()["point"]))
+    epoch = whole_epoch(total)
+    if at == 11:  # the epoch ended: the state moved on to the next one
+        assert all(p.epoch == 1 and not p.workers for p in points)
+    progress = saved_progress(
+        points, 0, epoch, 2, bs, "pad", lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n)
+    )
+    assert sorted(consumed_positions(epoch, progress)) == sorted(p % total for p in seen)
+    left = remaining_after(epoch, progress)
+    first = list(itertools.accumulate(counts, initial=0))
+    order = shard_order(range(len(counts)), seed, 0, 1)
+    cumulative = list(itertools.accumulate((counts[i] for i in order), initial=0))
+    sequence = [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
+    keys = Counter(sequence[p % total] for p in seen)
+    new = Counter()
+    for rank in range(3):
+        _, pieces = resplit_pieces(left, cumulative, rank, 3, 0, 1, bs, "pad")
+        new.update(f"s{first[order[slot]] + j:07d}" for slot, lo, hi, _ in pieces for j in range(lo, hi))
+    assert set(keys + new) == set(sequence)
+    padding = sum(new.values()) - ranges_length(left)
+    assert 0 <= padding < 3 * bs
+    assert sum(n - 1 for n in (keys + new).values()) == sum(n - 1 for n in keys.values()) + padding

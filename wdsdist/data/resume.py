@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -268,4 +268,46 @@ def round_robin_progress(
             taken = each + (worker < consumed - each * nworkers)
         start, _ = sample_span(rank, world, worker, nworkers, batch_size, batches)
         out.append(WorkerProgress(start, start + taken * batch_size))
+    return out
+
+
+def saved_progress(
+    points: Sequence[ResumePoint],
+    epoch: int,
+    ranges: Ranges,
+    nworkers: int,
+    batch_size: int,
+    remainder: str,
+    order: Callable[[int, int, int], Sequence[int]] | None = None,
+) -> list[WorkerProgress]:
+    """Every old worker's progress through ``epoch`` (whose sequence was ``ranges``), in virtual
+    positions, from the old ranks' saved points (one per rank, in rank order) on the layout
+    they were saved with. A worker reads its span's positions in order, but its seq numbers
+    count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
+    seq (stream.shuffled_offsets replays the shuffle; None: no shuffle). That holds while no
+    shard of the span failed to read (a failed shard shifts what follows: the tracker should
+    follow ``pos`` instead). A worker with no entry for ``epoch`` delivered nothing of it, or
+    all of it if it is past it. Replaying costs O(span) time, transiently; the result is small."""
+    world = len(points)
+    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    out = []
+    for rank, point in enumerate(points):
+        for worker in range(nworkers):
+            start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+            epochs = point.workers.get(worker, {})
+            if epoch in epochs:
+                done, beyond = epochs[epoch]
+                offsets = order(rank, worker, stop - start) if order is not None else None
+                if offsets is None:
+                    out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond)))
+                    continue
+                taken = sorted([offsets[s] for s in range(done)] + [offsets[s] for s in beyond])
+                prefix = 0
+                while prefix < len(taken) and taken[prefix] == prefix:
+                    prefix += 1
+                out.append(WorkerProgress(start, start + prefix, frozenset(start + o for o in taken[prefix:])))
+            elif epochs and min(epochs) > epoch or point.epoch > epoch:
+                out.append(WorkerProgress(start, stop))
+            else:
+                out.append(WorkerProgress(start, start))
     return out
