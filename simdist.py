@@ -9,6 +9,7 @@ simdist.py --nbatches 30                    # cut every rank to 30 batches: SUCC
 simdist.py --nbatches 40 --dsrepeat 2       # more batches than short ranks hold: repeat inside workers
 simdist.py --nbatches auto --showsplits --plot outputs/simdist.png
 simdist.py --split samples                  # equal spans of samples: SUCCESS, 20 samples padded (--remainder drop)
+simdist.py --plan --split samples --resize-at 13 --to-size 2 --to-nworkers 1   # an elastic resume mid-epoch
 simdist.py --shards data/shards/imagenet-train.index.json --size 16 --nworkers 8 --batch-size 256
 simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nworkers 8 --batch-size 64
 """
@@ -66,6 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="pad",
         help="--split samples: pad or drop (default: %(default)s)",
     )
+    resize = p.add_argument_group("an elastic resume (--split samples, --plan)")
+    resize.add_argument(
+        "--resize-at", type=integer(0), metavar="K", help="checkpoint after K batches per rank, resume on a new layout"
+    )
+    resize.add_argument("--to-size", type=integer(1), metavar="S2", help="the new layout's ranks (default: --size)")
+    resize.add_argument(
+        "--to-nworkers", type=integer(0), metavar="W2", help="the new layout's workers (default: --nworkers)"
+    )
     show = p.add_argument_group("what to show")
     show.add_argument("--plan", action="store_true", help="plan from sample counts only; read no data")
     show.add_argument("--showsplits", action="store_true", help="which shards each rank and worker got")
@@ -116,9 +125,20 @@ def main(argv=None) -> int:
         raise UserError(f"--plot {args.plot}: give a .png file name")
     if args.plan and args.showopen:
         print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
+    if args.resize_at is None and (args.to_size is not None or args.to_nworkers is not None):
+        raise UserError("--to-size/--to-nworkers describe the layout after --resize-at K: give --resize-at too")
+    if args.resize_at is not None and not args.plan:
+        raise UserError("--resize-at simulates the plan only for now: add --plan")
     sim = simdist.simulate_plan(layout(args), settings)
+    resize = None
+    if args.resize_at is not None:
+        to_size = args.size if args.to_size is None else args.to_size
+        to_nworkers = args.nworkers if args.to_nworkers is None else args.to_nworkers
+        resize = simdist.simulate_resize(sim, args.resize_at, to_size, to_nworkers)
     real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen, access=access(args))
-    return simdist.report(sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot)
+    return simdist.report(
+        sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot, resize=resize
+    )
 
 
 if __name__ == "__main__":

@@ -170,6 +170,12 @@ class RankLoader:
             "workers": self.cfg.workers,
             "rank": self.rank,
             "world": self.world,
+            # What an elastic resume needs to rebuild this layout's spans and replay its shuffles.
+            "batch_size": self.cfg.batch_size,
+            "split": "samples" if self.cfg.by_samples else "shards",
+            "remainder": str(self.cfg.remainder),
+            "shuffle_buffer": self.cfg.shuffle_buffer,
+            "seed": self.cfg.seed,
         }
 
 

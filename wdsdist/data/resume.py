@@ -9,7 +9,8 @@ sequence (``batch["pos"]``: the shards in the epoch's seeded order, read as one 
 N on, the padding: position - N again). A same-layout resume stays the seq-based skip above
 (bit-exact: each worker's shuffled stream replays and drops what was consumed).
 
-Elastic resume (issue 14 item 4; the design this state is shaped for, not built yet):
+Elastic resume (issue 14 item 4; the pure part is built: the functions at the end of this
+module; the loader and trainer do not call them yet):
   - state: per old worker, its span [a, b) of the interrupted epoch (splits.sample_span, from
     world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
     positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
@@ -35,8 +36,13 @@ Elastic resume (issue 14 item 4; the design this state is shaped for, not built 
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from wdsdist.data.splits import rank_batches, sample_span, span_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -117,3 +123,191 @@ class ConsumedTracker:
     def point(self) -> ResumePoint:
         workers = {w: {e: (s, frozenset(k))} for w, (e, s, k) in self.open.items()}
         return ResumePoint(self.base, workers)
+
+
+# ---------------------------------------------------------------- elastic resume: pure functions
+#
+# An epoch's sequence, as the loader splits it, is the positions of the epoch's sample sequence
+# (shards in the epoch's seeded order) still to be delivered, as sorted disjoint ranges of
+# [0, N): ((0, N),) for a whole epoch, fewer after an elastic resume. A worker's span, its
+# consumed prefix and the padding are "virtual" positions v in [0, k x world x B) of the ranges
+# read one after another (length M); v >= M is the padding, v mod M again. With the whole
+# epoch's ranges virtual and real positions coincide, so the split of a fresh epoch is
+# unchanged. All of it is arithmetic on ranges: nothing here is O(samples).
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+def whole_epoch(total: int) -> Ranges:
+    return ((0, total),) if total > 0 else ()
+
+
+def ranges_length(ranges: Ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+def virtual_to_real(
+    ranges: Ranges, start: int, stop: int, cumulative: Sequence[int] | None = None
+) -> Iterator[tuple[int, int, int]]:
+    """The real positions of virtual positions [start, stop) of ``ranges`` read in order (from M
+    on, wrapping to their start: the padding), as (real start, real stop, virtual start) pieces.
+    ``cumulative``: the ranges' lengths cumulated (ranges_cumulative), when calling often."""
+    if cumulative is None:
+        cumulative = ranges_cumulative(ranges)
+    total = cumulative[-1]
+    if total <= 0:
+        return
+    v = start
+    while v < stop:
+        at = v % total
+        i = bisect.bisect_right(cumulative, at) - 1
+        real = ranges[i][0] + at - cumulative[i]
+        take = min(cumulative[i + 1] - at, stop - v)
+        yield real, real + take, v
+        v += take
+
+
+def ranges_cumulative(ranges: Ranges) -> list[int]:
+    return list(itertools.accumulate((b - a for a, b in ranges), initial=0))
+
+
+def merge_ranges(pieces: Iterable[tuple[int, int]]) -> Ranges:
+    """Sorted, disjoint, non-empty ranges covering the union of ``pieces``."""
+    out: list[list[int]] = []
+    for a, b in sorted(p for p in pieces if p[1] > p[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def subtract_ranges(ranges: Ranges, taken: Ranges) -> Ranges:
+    """``ranges`` minus ``taken`` (both sorted and disjoint)."""
+    out: list[tuple[int, int]] = []
+    j = 0
+    for a, b in ranges:
+        while j < len(taken) and taken[j][1] <= a:
+            j += 1
+        k, cur = j, a
+        while k < len(taken) and taken[k][0] < b:
+            if taken[k][0] > cur:
+                out.append((cur, taken[k][0]))
+            cur = max(cur, taken[k][1])
+            k += 1
+        if cur < b:
+            out.append((cur, b))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """How far one worker got through its span of an epoch, in virtual positions: every position
+    in [start, done) and each of ``beyond`` was consumed (``beyond``: the ones the shuffle
+    buffer, the cross-worker shuffle and the batches in flight let out early, so few)."""
+
+    start: int
+    done: int
+    beyond: frozenset[int] = frozenset()
+
+    def consumed(self) -> list[tuple[int, int]]:
+        return [(self.start, self.done)] + [(p, p + 1) for p in self.beyond if not self.start <= p < self.done]
+
+
+def remaining_after(ranges: Ranges, progress: Iterable[WorkerProgress]) -> Ranges:
+    """The positions of an epoch still to deliver once these workers' consumed positions are
+    taken from ``ranges`` (a consumed padding position takes its original: v mod M). The
+    result has at most len(ranges) + one range per worker + the scattered ``beyond`` points."""
+    cumulative = ranges_cumulative(ranges)
+    taken = merge_ranges(
+        (a, b) for p in progress for lo, hi in p.consumed() for a, b, _ in virtual_to_real(ranges, lo, hi, cumulative)
+    )
+    return subtract_ranges(ranges, taken)
+
+
+def resplit_pieces(
+    ranges: Ranges,
+    cumulative: Sequence[int],
+    rank: int,
+    world: int,
+    worker: int,
+    nworkers: int,
+    batch_size: int,
+    remainder: str,
+) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """One worker's share of an epoch's remaining ``ranges`` on a (new) layout: (the batches every
+    rank delivers, the pieces to read). The remaining positions are one sequence of M samples
+    split by the rule of a whole epoch (splits.rank_batches, splits.sample_span), so every rank
+    gets the same batches and the padding is below world x batch_size whatever the workers.
+    ``cumulative`` is the epoch's shard order's sample counts, cumulated (splits.span_pieces);
+    a piece is (slot, first, stop, virtual position of its first sample)."""
+    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+    pieces = []
+    for real_start, real_stop, v in virtual_to_real(ranges, start, stop):
+        for slot, first, last, position in span_pieces(cumulative, real_start, real_stop):
+            pieces.append((slot, first, last, v + position - real_start))
+    return batches, pieces
+
+
+def round_robin_progress(
+    ranges: Ranges, rank: int, world: int, nworkers: int, batch_size: int, remainder: str, consumed: int
+) -> list[WorkerProgress]:
+    """Where each worker of a rank stands after the rank consumed ``consumed`` batches of an
+    epoch of ``ranges``, with no shuffle: the DataLoader takes batches from its workers in turn,
+    passing over those that ended (sample_span gives the first workers the extra batches). What
+    simdist's plan mode checkpoints; a real loader's progress comes from its batches' positions."""
+    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    each, extra = divmod(batches, nworkers)
+    consumed = min(max(consumed, 0), batches)
+    out = []
+    for worker in range(nworkers):
+        if consumed <= each * nworkers:
+            taken = consumed // nworkers + (worker < consumed % nworkers)
+        else:
+            taken = each + (worker < consumed - each * nworkers)
+        start, _ = sample_span(rank, world, worker, nworkers, batch_size, batches)
+        out.append(WorkerProgress(start, start + taken * batch_size))
+    return out
+
+
+def saved_progress(
+    points: Sequence[ResumePoint],
+    epoch: int,
+    ranges: Ranges,
+    nworkers: int,
+    batch_size: int,
+    remainder: str,
+    order: Callable[[int, int, int], Sequence[int]] | None = None,
+) -> list[WorkerProgress]:
+    """Every old worker's progress through ``epoch`` (whose sequence was ``ranges``), in virtual
+    positions, from the old ranks' saved points (one per rank, in rank order) on the layout
+    they were saved with. A worker reads its span's positions in order, but its seq numbers
+    count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
+    seq (stream.shuffled_offsets replays the shuffle; None: no shuffle). That holds while no
+    shard of the span failed to read (a failed shard shifts what follows: the tracker should
+    follow ``pos`` instead). A worker with no entry for ``epoch`` delivered nothing of it, or
+    all of it if it is past it. Replaying costs O(span) time, transiently; the result is small."""
+    world = len(points)
+    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    out = []
+    for rank, point in enumerate(points):
+        for worker in range(nworkers):
+            start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+            epochs = point.workers.get(worker, {})
+            if epoch in epochs:
+                done, beyond = epochs[epoch]
+                offsets = order(rank, worker, stop - start) if order is not None else None
+                if offsets is None:
+                    out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond)))
+                    continue
+                taken = sorted([offsets[s] for s in range(done)] + [offsets[s] for s in beyond])
+                prefix = 0
+                while prefix < len(taken) and taken[prefix] == prefix:
+                    prefix += 1
+                out.append(WorkerProgress(start, start + prefix, frozenset(start + o for o in taken[prefix:])))
+            elif epochs and min(epochs) > epoch or point.epoch > epoch:
+                out.append(WorkerProgress(start, stop))
+            else:
+                out.append(WorkerProgress(start, start))
+    return out

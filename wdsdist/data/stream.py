@@ -49,6 +49,16 @@ def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> li
     return order
 
 
+def shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> list[int]:
+    """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, by
+    replaying its shuffle buffer over the offsets (its permutation depends on the seed and the
+    length only). What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
+    if cfg.shuffle_buffer <= 0:
+        return list(range(length))
+    rng = random.Random(f"{cfg.seed}:{epoch}:{rank}:{worker}:0:samples")
+    return list(wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length))))
+
+
 class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 

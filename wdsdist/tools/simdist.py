@@ -42,6 +42,7 @@ from wdsdist.tools.simdist_layouts import (
     write_synthetic_shards,
 )
 from wdsdist.tools.simdist_plot import plot
+from wdsdist.tools.simdist_resize import Resize, resize_lines, resize_verdict, simulate_resize
 from wdsdist.tools.simdist_simulate import (
     Coverage,
     RankEpoch,
@@ -80,6 +81,7 @@ __all__ = [
     "Layout",
     "RankEpoch",
     "RealRun",
+    "Resize",
     "Settings",
     "Simulation",
     "advice",
@@ -97,10 +99,13 @@ __all__ = [
     "real_run_lines",
     "refusal",
     "report",
+    "resize_lines",
+    "resize_verdict",
     "sample_balance",
     "shown_ranks",
     "simulate_plan",
     "simulate_real",
+    "simulate_resize",
     "spec_layout",
     "split_lines",
     "synthetic_layout",
@@ -117,6 +122,7 @@ def report(
     verbose: bool = False,
     plot_to: str | None = None,
     out: TextIO | None = None,
+    resize: Resize | None = None,
 ) -> int:
     """Print the whole report (and draw it to ``plot_to``); return the exit code (0 SUCCESS, 1 FAILED)."""
     out = out or sys.stdout
@@ -137,6 +143,9 @@ def report(
     if real:
         say(*real_run_lines(sim, real))
     ok, line = verdict(epochs)
+    if ok and resize is not None:
+        say("", *resize_lines(sim, resize, verbose))
+        ok, line = resize_verdict(sim, resize)
     if not ok:
         tips = advice(sim)
         if tips:

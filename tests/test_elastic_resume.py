@@ -1,0 +1,225 @@
+"""Elastic resume, the pure part (issue 14 item 4): an interrupted epoch's remaining positions,
+from a checkpoint's per-worker progress on one layout, re-split over another; every position
+of the epoch delivered exactly once across the resize, but the stated padding (or drop)."""
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
+from wdsdist.data.resume import (
+    ResumePoint,
+    WorkerProgress,
+    ranges_length,
+    remaining_after,
+    resplit_pieces,
+    round_robin_progress,
+    saved_progress,
+    virtual_to_real,
+    whole_epoch,
+)
+from wdsdist.data.splits import plan_samples, rank_batches, sample_span, span_pieces
+from wdsdist.data.stream import shard_order, shuffled_offsets
+
+COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard
+CUMULATIVE = list(itertools.accumulate(COUNTS, initial=0))
+N = CUMULATIVE[-1]
+
+
+def deliver(ranges, world, nworkers, bs, remainder):
+    """Every (rank, worker)'s real positions on this layout, and the batches per rank, checking
+    that each worker gets whole batches of contiguous virtual positions and each rank the same."""
+    out, rank_batches = {}, set()
+    for rank in range(world):
+        virtual = []
+        for worker in range(nworkers):
+            batches, pieces = resplit_pieces(ranges, CUMULATIVE, rank, world, worker, nworkers, bs, remainder)
+            rank_batches.add(batches)
+            positions = []
+            for slot, first, stop, v in pieces:
+                assert 0 <= first < stop <= COUNTS[slot]
+                positions += [CUMULATIVE[slot] + i for i in range(first, stop)]
+                virtual += range(v, v + stop - first)
+            assert len(positions) % bs == 0
+            out[rank, worker] = positions
+        if virtual:
+            assert virtual == list(range(virtual[0], virtual[0] + len(virtual)))  # a rank's span, in order
+    assert len(rank_batches) == 1  # every rank the same batches: none hangs
+    return out, rank_batches.pop()
+
+
+def shuffled_progress(rng, ranges, world, nworkers, bs, remainder, consumed):
+    """Round-robin progress, with a few positions beyond each worker's prefix consumed early (as a
+    shuffle buffer lets them out) and the prefix's last ones still held back."""
+    batches = plan_batches(ranges, world, bs, remainder)
+    out = []
+    for rank in range(world):
+        for worker, p in enumerate(round_robin_progress(ranges, rank, world, nworkers, bs, remainder, consumed[rank])):
+            _, stop = sample_span(rank, world, worker, nworkers, bs, batches)
+            done = max(p.start, p.done - rng.randint(0, 3))
+            window = range(done + 1, min(stop, p.done + 4))
+            beyond = frozenset(rng.sample(window, min(len(window), rng.randint(0, 3))))
+            out.append(WorkerProgress(p.start, done, beyond))
+    return out
+
+
+def plan_batches(ranges, world, bs, remainder):
+    return rank_batches(sum(b - a for a, b in ranges), world, bs, remainder)
+
+
+def consumed_positions(ranges, progress):
+    """Real positions the progress consumed, one entry per delivery (padding: its original again)."""
+    out = []
+    for p in progress:
+        for lo, hi in p.consumed():
+            for a, b, _ in virtual_to_real(ranges, lo, hi):
+                out += range(a, b)
+    return out
+
+
+def test_a_whole_epochs_resplit_is_the_fresh_split():
+    ranges = whole_epoch(N)
+    for world, nworkers, bs, remainder in itertools.product((1, 2, 3), (1, 2, 3), (1, 4), ("pad", "drop")):
+        p = plan_samples(COUNTS, world, nworkers, bs, remainder=remainder)
+        for rank in range(world):
+            for worker in range(nworkers):
+                batches, pieces = resplit_pieces(ranges, CUMULATIVE, rank, world, worker, nworkers, bs, remainder)
+                assert batches == p.ranks[rank].batches
+                assert pieces == list(span_pieces(CUMULATIVE, *p.ranks[rank].workers[worker].span))
+
+
+OLD = [(2, 2, 4), (3, 1, 4), (1, 2, 3), (4, 3, 2)]
+NEW = [(3, 1, 4), (1, 2, 4), (2, 2, 3), (4, 3, 1), (1, 1, 5)]
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+@pytest.mark.parametrize("old", OLD)
+def test_across_a_resize_every_position_once_but_the_padding(old, remainder):
+    rng = random.Random(f"{old}{remainder}")
+    world, nworkers, bs = old
+    ranges = whole_epoch(N)
+    k = plan_batches(ranges, world, bs, remainder)
+    for consumed_batches in sorted({0, 1, k // 2, k - 1, k}):
+        progress = shuffled_progress(rng, ranges, world, nworkers, bs, remainder, [consumed_batches] * world)
+        old_seen = consumed_positions(ranges, progress)
+        left = remaining_after(ranges, progress)
+        assert len(left) <= 1 + len(progress) + sum(len(p.beyond) for p in progress)  # O(ranks x workers)
+        assert not set(old_seen) & {i for a, b in left for i in range(a, b)}
+        m = sum(b - a for a, b in left)
+        for world2, nworkers2, bs2 in NEW:
+            new, k2 = deliver(left, world2, nworkers2, bs2, remainder)
+            delivered = k2 * world2 * bs2
+            counts = Counter(old_seen) + Counter(i for positions in new.values() for i in positions)
+            assert set(counts) <= set(range(N))
+            old_dups = sum(n - 1 for n in Counter(old_seen).values())
+            if remainder == "pad":
+                padding = delivered - m
+                assert 0 <= padding < world2 * bs2
+                assert set(counts) == set(range(N))  # every sample at least once
+                assert sum(n - 1 for n in counts.values()) == old_dups + padding
+            else:
+                assert old_dups == 0 and max(counts.values(), default=1) == 1  # no sample twice
+                assert 0 <= N - len(counts) == m - delivered < world2 * bs2
+
+
+def test_a_second_resize_in_the_resumed_epoch():
+    """2x2 -> 3x1 -> 1x2: the resumed epoch's progress is in its own virtual positions."""
+    rng = random.Random(1)
+    first = whole_epoch(N)
+    progress = shuffled_progress(rng, first, 2, 2, 4, "pad", [3, 3])
+    seen = consumed_positions(first, progress)
+    second = remaining_after(first, progress)
+    k2 = plan_batches(second, 3, 4, "pad")
+    progress2 = shuffled_progress(rng, second, 3, 1, 4, "pad", [k2 // 2] * 3)
+    seen += consumed_positions(second, progress2)
+    third = remaining_after(second, progress2)
+    new, k3 = deliver(third, 1, 2, 4, "pad")
+    counts = Counter(seen) + Counter(i for positions in new.values() for i in positions)
+    assert set(counts) == set(range(N))
+    before = sum(n - 1 for n in Counter(seen).values())
+    padding = k3 * 1 * 4 - sum(b - a for a, b in third)
+    assert 0 <= padding < 4 and sum(n - 1 for n in counts.values()) == before + padding
+
+
+def test_at_an_epoch_boundary_nothing_remains():
+    ranges = whole_epoch(N)
+    k = plan_batches(ranges, 2, 4, "pad")
+    progress = [p for r in range(2) for p in round_robin_progress(ranges, r, 2, 2, 4, "pad", k)]
+    left = remaining_after(ranges, progress)
+    assert left == ()
+    assert resplit_pieces(left, CUMULATIVE, 0, 3, 0, 1, 4, "pad") == (0, [])
+
+
+def test_round_robin_progress_follows_the_dataloaders_turns():
+    # 63 samples, 1 rank, 3 workers, batch 4, pad: 16 batches, workers hold 6, 5, 5.
+    ranges = whole_epoch(N)
+    got = [[(p.done - p.start) // 4 for p in round_robin_progress(ranges, 0, 1, 3, 4, "pad", k)] for k in (4, 15, 16)]
+    assert got == [[2, 1, 1], [5, 5, 5], [6, 5, 5]]
+
+
+def test_the_state_stays_small_for_a_huge_epoch():
+    """10^12 samples, 1,024 ranks x 8 workers: the remaining positions are ranges, not samples."""
+    total = 10**12
+    ranges = whole_epoch(total)
+    progress = [p for r in range(1024) for p in round_robin_progress(ranges, r, 1024, 8, 256, "pad", 1000)]
+    left = remaining_after(ranges, progress)
+    assert len(left) <= 1024 * 8 + 1
+    assert sum(b - a for a, b in left) == total - 1024 * 1000 * 256
+    batches, pieces = resplit_pieces(left, [0, total // 2, total], 5, 512, 3, 4, 256, "pad")
+    assert batches == -(-(total - 1024 * 1000 * 256) // (512 * 256))
+    assert sum(stop - first for _, first, stop, _ in pieces) in (batches // 4 * 256, (batches // 4 + 1) * 256)
+
+
+def test_a_second_resize_of_a_huge_epoch_stays_arithmetic():
+    total, bs = 10**12, 256
+    first = whole_epoch(total)
+    progress = [p for r in range(1024) for p in round_robin_progress(first, r, 1024, 8, bs, "pad", 1000)]
+    second = remaining_after(first, progress)
+    progress2 = [p for r in range(512) for p in round_robin_progress(second, r, 512, 4, bs, "pad", 10)]
+    third = remaining_after(second, progress2)
+    assert len(third) <= len(second) + 512 * 4
+    assert sum(b - a for a, b in third) == total - 1024 * 1000 * bs - 512 * 10 * bs
+
+
+@pytest.mark.parametrize("cross, at", [(0, 3), (6, 4), (0, 11)])
+def test_a_loaders_saved_state_names_the_positions_it_delivered(tiny_shards, cross, at):
+    """The real loader, 2 ranks x 2 workers, stopped after ``at`` batches per rank (11: the epoch's
+    end): the checkpoint's seq-based points give exactly the positions its batches carried, and
+    the rest re-split over 3 ranks x 1 worker delivers every key of the epoch once but the padding."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, seed, bs = sum(counts), 3, 3
+    shards = str(tiny_shards(counts))
+    c = LoaderConfig(
+        batch_size=bs, workers=2, mode="epoch", split="samples", image_size=8, with_keys=True, shuffle_buffer=20,
+        cross_shuffle=cross, seed=seed,
+    )  # fmt: skip
+    seen, points = [], []
+    for rank in range(2):
+        loader = make_loader(shards, rank, 2, c)
+        for b in itertools.islice(iter(loader), at):
+            seen += b["pos"].tolist()
+        points.append(ResumePoint.from_state(loader.state_dict()["point"]))
+    epoch = whole_epoch(total)
+    if at == 11:  # the epoch ended: the state moved on to the next one
+        assert all(p.epoch == 1 and not p.workers for p in points)
+    progress = saved_progress(
+        points, 0, epoch, 2, bs, "pad", lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n)
+    )
+    assert sorted(consumed_positions(epoch, progress)) == sorted(p % total for p in seen)
+    left = remaining_after(epoch, progress)
+    first = list(itertools.accumulate(counts, initial=0))
+    order = shard_order(range(len(counts)), seed, 0, 1)
+    cumulative = list(itertools.accumulate((counts[i] for i in order), initial=0))
+    sequence = [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
+    keys = Counter(sequence[p % total] for p in seen)
+    new = Counter()
+    for rank in range(3):
+        _, pieces = resplit_pieces(left, cumulative, rank, 3, 0, 1, bs, "pad")
+        new.update(f"s{first[order[slot]] + j:07d}" for slot, lo, hi, _ in pieces for j in range(lo, hi))
+    assert set(keys + new) == set(sequence)
+    padding = sum(new.values()) - ranges_length(left)
+    assert 0 <= padding < 3 * bs
+    assert sum(n - 1 for n in (keys + new).values()) == sum(n - 1 for n in keys.values()) + padding
