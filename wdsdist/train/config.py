@@ -5,6 +5,8 @@
 against it: a misspelt key or a value of the wrong type fails before anything starts, and
 ``run_hydra`` turns that failure into one ``error:`` line and exit code 2.
 """
+# Above the size guide on purpose: the schema and the one-line translation of Hydra's errors stay together,
+# since each message names the schema's keys; split apart, a key's rule and its message would drift.
 
 from __future__ import annotations
 
