@@ -223,3 +223,65 @@ def test_a_loaders_saved_state_names_the_positions_it_delivered(tiny_shards, cro
     padding = sum(new.values()) - ranges_length(left)
     assert 0 <= padding < 3 * bs
     assert sum(n - 1 for n in (keys + new).values()) == sum(n - 1 for n in keys.values()) + padding
+
+
+def damaged_shards(tiny_shards, counts):
+    """tiny_shards(counts), then: sample 3 of shard 1 made undecodable (its key kept), shard 4
+    cut mid-way (its first samples read, then the read fails)."""
+    import webdataset as wds
+
+    from tests.conftest import jpeg
+
+    index = tiny_shards(counts)
+    root = index.parent
+    first = list(itertools.accumulate(counts, initial=0))
+    with wds.TarWriter(str(root / "tiny-000001.tar")) as w:
+        for j in range(counts[1]):
+            n = first[1] + j
+            data = b"\xff\xd8 not a jpeg" if j == 3 else jpeg(n)[0]
+            w.write({"__key__": f"s{n:07d}", "jpg": data, "cls": "1"})
+    cut = root / "tiny-000004.tar"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    return str(index), {f"s{first[1] + 3:07d}"}, {f"s{first[4] + j:07d}" for j in range(counts[4])}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_and_a_failed_shard_keep_the_saved_state_small_and_exact(tiny_shards, workers):
+    """A sample that fails to decode and a shard that fails mid-span are counted consumed: the
+    saved state stays a prefix (no skip set growing with every later sample), names exactly the
+    positions delivered or skipped, and a resume delivers the rest of the good keys once."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs, seed = sum(counts), 3, 5
+    spec, undecodable, cut = damaged_shards(tiny_shards, counts)
+    c = LoaderConfig(
+        batch_size=bs, workers=workers, mode="epoch", split="samples", image_size=8, with_keys=True,
+        shuffle_buffer=4, seed=seed,
+    )  # fmt: skip
+    first = list(itertools.accumulate(counts, initial=0))
+    order = shard_order(range(len(counts)), seed, 0, 1)
+    sequence = [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
+    loader = make_loader(spec, 0, 1, c)
+    batches = list(loader)
+    keys = [k for b in batches for k in b["key"]]
+    assert len(keys) == len(set(keys)) and undecodable.isdisjoint(keys)
+    lost = total - len(keys)  # the undecodable one, the cut shard's tail, the last partial batch's
+    assert 1 + 1 < lost < 1 + 9 + max(workers, 1) * bs
+    state = loader.state_dict()
+    for entry in state["point"]["workers"].values():
+        for _start, skip in entry.values():
+            assert len(skip) < bs + c.shuffle_buffer  # before the fix: every seq after the first hole
+    # Mid-epoch: a checkpoint after 6 batches names what they delivered plus what was skipped
+    # before them, and a same-layout resume delivers every other good key once.
+    loader = make_loader(spec, 0, 1, c)
+    before = [k for b in itertools.islice(iter(loader), 6) for k in b["key"]]
+    saved = loader.state_dict()
+    progress = saved_progress(
+        [ResumePoint.from_state(saved["point"])], 0, whole_epoch(total), max(workers, 1), bs, "pad",
+        lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n),
+    )  # fmt: skip
+    consumed = {sequence[p % total] for p in consumed_positions(whole_epoch(total), progress)}
+    assert set(before) <= consumed and consumed - set(before) <= set(sequence) - set(keys)
+    after = [k for b in make_loader(spec, 0, 1, c, saved) for k in b["key"]]
+    assert not set(before) & set(after) and len(after) == len(set(after))
+    missing = set(sequence) - set(before) - set(after)
+    assert undecodable <= missing and len(missing - undecodable - cut) < max(workers, 1) * bs  # partial batches

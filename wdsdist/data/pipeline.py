@@ -140,14 +140,14 @@ class RankLoader:
     def __iter__(self) -> Iterator[dict]:
         if self.epoch_batches is None:
             for batch in self.loader:
-                self.tracker.update(batch["id"])
+                self.tracker.update(batch["id"], batch.get("skipped"))
                 yield batch
             return
         if self.tracker.batches >= self.epoch_batches:
             self.tracker = ConsumedTracker(self.tracker.epoch + 1)
         remaining = self.epoch_batches - self.tracker.batches
         for i, batch in enumerate(self.loader):
-            self.tracker.update(batch["id"])
+            self.tracker.update(batch["id"], batch.get("skipped"))
             yield batch
             if i + 1 >= remaining:
                 break

@@ -102,23 +102,30 @@ class ConsumedTracker:
         self.batches = batches
         self.open = {w: [e, s, set(k)] for w, eps in point.workers.items() for e, (s, k) in eps.items()}
 
-    def update(self, ids: torch.Tensor) -> None:
+    def update(self, ids: torch.Tensor, skipped: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+        """Count a batch consumed: its rows' ids, and per row the (epoch, seq) its worker skipped
+        before it (bad samples, positions of a failed shard), which are consumed too."""
         rows = ids.tolist()
         newest = max(e for e, _, _ in rows)
         if newest > self.epoch:
             self.epoch, self.batches = newest, 0
         self.batches += 1
-        for epoch, worker, seq in rows:
-            entry = self.open.get(worker)
-            if entry is None or epoch > entry[0]:
-                entry = self.open[worker] = [epoch, 0, set()]
-            elif epoch < entry[0]:
-                continue  # an epoch this worker has left behind
-            seen = entry[2]
-            seen.add(seq)
-            while entry[1] in seen:
-                seen.discard(entry[1])
-                entry[1] += 1
+        for i, (epoch, worker, seq) in enumerate(rows):
+            for before, skipped_seq in skipped[i] if skipped else ():
+                self._consume(before, worker, skipped_seq)
+            self._consume(epoch, worker, seq)
+
+    def _consume(self, epoch: int, worker: int, seq: int) -> None:
+        entry = self.open.get(worker)
+        if entry is None or epoch > entry[0]:
+            entry = self.open[worker] = [epoch, 0, set()]
+        elif epoch < entry[0]:
+            return  # an epoch this worker has left behind
+        seen = entry[2]
+        seen.add(seq)
+        while entry[1] in seen:
+            seen.discard(entry[1])
+            entry[1] += 1
 
     def point(self) -> ResumePoint:
         workers = {w: {e: (s, frozenset(k))} for w, (e, s, k) in self.open.items()}

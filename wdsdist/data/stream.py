@@ -35,6 +35,10 @@ from wdsdist.errors import DataError
 
 T = TypeVar("T")
 POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
+# split=samples: a position of the span that no sample came for (its shard failed or came short).
+# It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
+# resume replays (stream.shuffled_offsets); it is never decoded, and counts as skipped.
+FAILED = "__failed__"
 
 
 def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> list[T]:
@@ -96,7 +100,8 @@ class ShardStream(IterableDataset):
 
     def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
         """split=samples: the raw samples of this worker's span of the epoch's sample sequence,
-        each marked with its position in it."""
+        each marked with its position in it; a position the read did not deliver (the shard
+        failed, or held fewer samples than its count) comes as a FAILED placeholder."""
         cfg, shards = self.cfg, self.all_shards
         order = shard_order(range(len(shards)), cfg.seed, epoch, 1)
         cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
@@ -104,12 +109,23 @@ class ShardStream(IterableDataset):
         start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
         for slot, first, last, position in span_pieces(cumulative, start, stop):
             shard = shards[order[slot]]
-            read = functools.partial(
-                read_span, shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes
-            )
-            for i, sample in enumerate(self._read_guarded(shard.url, read, worker, bad)):
-                sample[POSITION] = position + i
+            got, read = 0, functools.partial(self._read_piece, shard, first, last)
+            for sample in self._read_guarded(shard.url, read, worker, bad):
+                sample[POSITION] = position + got
+                got += 1
                 yield sample
+            for i in range(got, last - first):
+                yield {POSITION: position + i, FAILED: True}
+
+    def _read_piece(self, shard: Shard, first: int, last: int) -> Iterator[dict]:
+        """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""
+        cfg = self.cfg
+        got = 0
+        for sample in read_span(shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes):
+            got += 1
+            yield sample
+        if got < last - first:
+            raise DataError(f"it ends at sample {first + got}, and its count says {shard.nsamples} (a stale index?)")
 
     def _samples(self, worker: int, nworkers: int, epoch: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples, shuffled within each pass: with dsrepeat, a worker shows every sample
@@ -188,17 +204,26 @@ class ShardStream(IterableDataset):
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(self, worker: int, nworkers: int, skips: dict, decode: Callable) -> Iterator[tuple]:
-        """(image, label, id, skips before it, key) rows, epoch after epoch; the samples a resumed
-        worker had delivered (``skips``) are passed over before decoding."""
+        """(image, label, id, skips before it, key, seqs skipped before it) rows, epoch after epoch;
+        the samples a resumed worker had delivered (``skips``) are passed over before decoding.
+
+        A sample that fails to decode and a FAILED placeholder are skipped, and their (epoch, seq)
+        ride on the next row, so the tracker counts them consumed: a hole would otherwise stop
+        the worker's consumed prefix there and every later seq would pile into its skip set."""
         cfg = self.cfg
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
+        skipped: list[tuple[int, int]] = []  # (epoch, seq) skipped since the last row
         while True:
             self.epoch += 1
             epoch = self.epoch
             start, skip = skips.get(epoch, (0, frozenset()))
-            produced = 0
+            produced = seen = 0
             for seq, sample in enumerate(self._samples(worker, nworkers, epoch, bad)):
                 if seq < start or seq in skip:
+                    continue
+                seen += 1
+                if FAILED in sample:  # its shard's failure is counted and warned about already
+                    skipped.append((epoch, seq))
                     continue
                 try:
                     image, label = decode(sample)
@@ -207,12 +232,16 @@ class ShardStream(IterableDataset):
                         raise
                     warn_skip(error)
                     bad[0] += 1
+                    skipped.append((epoch, seq))
                     continue
                 key = sample["__key__"] if cfg.with_keys else None
-                yield image, label, (epoch, worker, seq, sample.get(POSITION, -1)), tuple(bad), key
+                ids = (epoch, worker, seq, sample.get(POSITION, -1))
+                yield image, label, ids, tuple(bad), key, tuple(skipped)
                 bad[:] = [0, 0]
+                skipped = []
                 produced += 1
-            if not produced and start == 0 and not skip:
+            # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
+            if not produced and start == 0 and not skip and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.
                 raise DataError(
                     f"rank {self.rank} worker {worker} read no sample from its shards "
