@@ -24,7 +24,7 @@ from wdsdist.data.batches import collate
 from wdsdist.data.decode import decode_sample, make_transform
 from wdsdist.data.jpegcrop import crop_decoder
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.resume import ResumePoint
+from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
@@ -74,6 +74,7 @@ class ShardStream(IterableDataset):
         cfg: LoaderConfig,
         resume: ResumePoint | None = None,
         shared: SharedBatches | None = None,
+        elastic: dict[int, Ranges] | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -84,6 +85,7 @@ class ShardStream(IterableDataset):
             raise DataError(f"loader.split=samples needs every shard's sample count, and {first} has none")
         self.resume = resume
         self.shared = shared  # used in DataLoader workers only
+        self.elastic = elastic or {}  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
         self.epoch = -1  # the last epoch begun, in each worker
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
@@ -105,9 +107,7 @@ class ShardStream(IterableDataset):
         cfg, shards = self.cfg, self.all_shards
         order = shard_order(range(len(shards)), cfg.seed, epoch, 1)
         cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
-        batches = rank_batches(cumulative[-1], self.world, cfg.batch_size, cfg.remainder)
-        start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
-        for slot, first, last, position in span_pieces(cumulative, start, stop):
+        for slot, first, last, position in self._pieces(cumulative, worker, nworkers, epoch):
             shard = shards[order[slot]]
             got, read = 0, functools.partial(self._read_piece, shard, first, last)
             for sample in self._read_guarded(shard.url, read, worker, bad):
@@ -116,6 +116,28 @@ class ShardStream(IterableDataset):
                 yield sample
             for i in range(got, last - first):
                 yield {POSITION: position + i, FAILED: True}
+
+    def _pieces(
+        self, cumulative: list[int], worker: int, nworkers: int, epoch: int
+    ) -> Iterable[tuple[int, int, int, int]]:
+        """(slot, first, stop, position of the first) pieces of this worker's span. A position is
+        the sample's in the epoch's sequence, plus N where it is padding (a sample again); in an
+        epoch re-split on resume (``self.elastic``), the span is of its remaining positions."""
+        cfg, total = self.cfg, cumulative[-1]
+        ranges = self.elastic.get(epoch)
+        if ranges is None:
+            batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
+            start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
+            return span_pieces(cumulative, start, stop)
+        remaining = ranges_length(ranges)
+        _, pieces = resplit_pieces(
+            ranges, cumulative, self.rank, self.world, worker, nworkers, cfg.batch_size, str(cfg.remainder)
+        )
+        # A piece never straddles the remaining sequence's end (virtual_to_real cuts there).
+        return [
+            (slot, first, last, cumulative[slot] + first + (total if v >= remaining else 0))
+            for slot, first, last, v in pieces
+        ]
 
     def _read_piece(self, shard: Shard, first: int, last: int) -> Iterator[dict]:
         """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""

@@ -1,0 +1,132 @@
+"""Elastic resume (loader.split=samples): every old rank's saved loader state turned into one
+rank's state on a new layout (another world size and/or worker count).
+
+The interrupted epoch's remaining positions are worked out from all old ranks' states (each old
+worker's seq-based progress mapped to span positions by replaying its shuffle:
+``resume.saved_progress``), as ranges; the new rank's loader re-splits them by the equal-batches
+rule (``resume.resplit_pieces``) and goes on with whole epochs on the new layout. Every rank
+computes the same from the same checkpoint, so they agree without talking. The state stays
+O(ranks x workers) ranges; the replay costs O(samples of the epoch) time once, at startup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.resume import (
+    Ranges,
+    ResumePoint,
+    ranges_length,
+    remaining_after,
+    saved_progress,
+    whole_epoch,
+)
+from wdsdist.data.splits import rank_batches
+from wdsdist.data.stream import shuffled_offsets
+from wdsdist.errors import UserError
+
+# What a loader state must hold for a re-split (RankLoader.state_dict writes them).
+NEEDED = ("world", "workers", "batch_size", "split", "remainder", "shuffle_buffer", "seed", "samples", "counts")
+
+
+def counts_digest(counts: Sequence[int]) -> str:
+    """A short fingerprint of the shards' sample counts, in order: an epoch's sample sequence is
+    defined by them (and the seed), so a resume onto other shards is refused, not misread."""
+    return hashlib.sha1(",".join(map(str, counts)).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Resize:
+    """What an elastic resume does, for the startup line."""
+
+    old_world: int
+    old_workers: int
+    world: int
+    workers: int
+    epoch: int  # the epoch resumed (the next one after a boundary)
+    remaining: int  # samples of it left to deliver (M); 0: resumed at an epoch boundary
+    batches: int  # batches every rank delivers of it (k'); 0: at a boundary
+    batch_size: int
+
+    @property
+    def delivered(self) -> int:
+        return self.batches * self.world * self.batch_size
+
+    def line(self) -> str:
+        layout = f"resize: {_layout(self.old_world, self.old_workers)} -> {_layout(self.world, self.workers)}"
+        if not self.batches:
+            return f"{layout}, at the start of epoch {self.epoch}: nothing to re-split"
+        rest = self.delivered - self.remaining
+        extra = f"padding {rest}" if rest >= 0 else f"dropping {-rest}"
+        return (
+            f"{layout}, epoch {self.epoch}: {self.remaining} samples remain, {self.batches} batches of "
+            f"{self.batch_size} per rank, {extra}"
+        )
+
+
+def _layout(world: int, workers: int) -> str:
+    return f"{world} rank{'s' if world != 1 else ''} x {workers} worker{'s' if workers != 1 else ''}"
+
+
+def resize_state(
+    saved: Sequence[dict], rank: int, world: int, cfg: LoaderConfig, counts: Sequence[int], where: str
+) -> tuple[dict, Resize]:
+    """This rank's loader state on ``world`` ranks x ``cfg.workers`` workers, from every old rank's
+    saved state (in rank order); ``counts``: the shards' sample counts now; ``where`` names the
+    checkpoint in errors. Refuses (UserError, one line) what it cannot re-split exactly."""
+    old_world, old_workers = len(saved), saved[0].get("workers", "?")
+    layout = f"{where} was saved with {old_world} ranks x {old_workers} workers, now {world} x {cfg.workers}"
+    missing = [key for key in NEEDED if any(key not in s for s in saved)]
+    if missing:
+        raise UserError(
+            f"{layout}, and its loader state lacks what a re-split needs ({', '.join(missing)}; written by an "
+            f"older version): resume it with {old_world} ranks x {old_workers} workers"
+        )
+    first = saved[0]
+    if any(s["split"] != "samples" for s in saved):
+        raise UserError(f"{layout}: only a run with loader.split=samples resumes on another layout")
+    if first["batch_size"] != cfg.batch_size:
+        raise UserError(f"{layout}, with trainer.batch_size={first['batch_size']}: keep that batch size")
+    if first["samples"] != sum(counts) or first["counts"] != counts_digest(counts):
+        raise UserError(
+            f"{layout}, over other shards ({first['samples']} samples then, {sum(counts)} in {len(counts)} shards "
+            f"now): resume on the same shards"
+        )
+    if first["seed"] != cfg.seed:
+        raise UserError(f"{layout}, with seed {first['seed']} (each epoch's order comes from it): keep that seed")
+    points = [ResumePoint.from_state(s["point"]) for s in saved]
+    epoch = min(p.epoch for p in points)
+    elastic = first.get("elastic", {}).get(str(epoch))
+    ranges: Ranges = tuple((int(a), int(b)) for a, b in elastic) if elastic else whole_epoch(sum(counts))
+    begun = any(epoch in e for p in points for e in p.workers.values()) or any(p.epoch > epoch for p in points)
+    if begun and first["remainder"] != str(cfg.remainder):
+        raise UserError(
+            f"{layout}, in the middle of epoch {epoch} with loader.remainder={first['remainder']}: keep it "
+            f"(or resume from a checkpoint at an epoch's end)"
+        )
+    info = Resize(old_world, int(old_workers), world, cfg.workers, epoch, 0, 0, cfg.batch_size)
+    if not begun and not elastic:  # at an epoch's start: it runs whole on the new layout
+        return {"point": ResumePoint(epoch).state(), "batches": 0}, info
+    if begun:
+        # The old workers' seqs count their shuffled streams: replay each shuffle with the old
+        # run's buffer and seed to map them to span positions.
+        replay = replace(cfg, seed=first["seed"], shuffle_buffer=first["shuffle_buffer"])
+        progress = saved_progress(
+            points,
+            epoch,
+            ranges,
+            max(int(old_workers), 1),
+            first["batch_size"],
+            first["remainder"],
+            lambda r, w, n: shuffled_offsets(replay, r, w, epoch, n),
+        )
+        ranges = remaining_after(ranges, progress)
+    batches = rank_batches(ranges_length(ranges), world, cfg.batch_size, str(cfg.remainder))
+    if batches == 0:  # nothing left of the epoch (or, with drop, less than one batch per rank): the next one
+        return {"point": ResumePoint(epoch + 1).state(), "batches": 0}, replace(info, epoch=epoch + 1)
+    info = replace(info, remaining=ranges_length(ranges), batches=batches)
+    state = {"point": ResumePoint(epoch).state(), "batches": 0, "elastic": {str(epoch): [list(r) for r in ranges]}}
+    return state, info
