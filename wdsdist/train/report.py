@@ -223,6 +223,9 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         report.line(run.on_device.amp_note)
     if cfg.trainer.resume == "auto" and run.resume_path is None:
         report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
+    resize = run.feed.loader.resize
+    if resize is not None:  # an elastic resume: what became of the interrupted epoch
+        report.line(f"{resize.line()}; {run.steps} steps in all now (the learning rate schedule follows them)")
     plan = run.feed.loader.plan
     if plan is not None and plan.split == "samples":
         report.line(plan_line(plan), console=False)
