@@ -25,11 +25,24 @@ from wdsdist.data.resume import (
     whole_epoch,
 )
 from wdsdist.data.splits import rank_batches
-from wdsdist.data.stream import shuffled_offsets
+from wdsdist.data.stream import iter_shuffled_offsets
 from wdsdist.errors import UserError
 
 # What a loader state must hold for a re-split (RankLoader.state_dict writes them).
 NEEDED = ("world", "workers", "batch_size", "split", "remainder", "shuffle_buffer", "seed", "samples", "counts")
+
+
+# In a loader state's "elastic" on ranks other than 0: the ranges are rank 0's.
+SHARED = "as rank 0"
+
+
+def rank_state(states: Sequence[dict], rank: int) -> dict:
+    """Rank ``rank``'s saved state for a resume on the same layout, with the ranges of an epoch
+    re-split on an earlier resume (saved once, in rank 0's state) put back."""
+    state = states[rank]
+    if state.get("elastic") == SHARED:
+        state = dict(state, elastic=states[0]["elastic"])
+    return state
 
 
 def counts_digest(counts: Sequence[int]) -> str:
@@ -121,7 +134,7 @@ def resize_state(
             max(int(old_workers), 1),
             first["batch_size"],
             first["remainder"],
-            lambda r, w, n: shuffled_offsets(replay, r, w, epoch, n),
+            lambda r, w, n: iter_shuffled_offsets(replay, r, w, epoch, n),
         )
         ranges = remaining_after(ranges, progress)
     batches = rank_batches(ranges_length(ranges), world, cfg.batch_size, str(cfg.remainder))

@@ -49,7 +49,7 @@ import webdataset as wds
 
 from wdsdist.data import jpegcrop, shardspec
 from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
-from wdsdist.data.elastic import Resize, counts_digest, resize_state
+from wdsdist.data.elastic import SHARED, Resize, counts_digest, resize_state
 from wdsdist.data.index import count_samples
 from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
@@ -116,6 +116,8 @@ class RankLoader:
                 f"loader state was saved with {state['workers']} workers, now {cfg.workers}: "
                 f"resume with the same trainer.workers (or, with loader.split=samples, from every rank's state)"
             )
+        if state and state.get("elastic") == SHARED:
+            raise ValueError("a loader state without its epoch's ranges: take it through elastic.rank_state")
         point = ResumePoint.from_state(state["point"]) if state else None
         # split=samples, epochs resumed on another layout: the positions of the epoch still to
         # deliver (resume.py), re-split over this layout; other epochs are whole.
@@ -215,7 +217,9 @@ class RankLoader:
             # goes on from its positions, not the whole epoch's.
             elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= point.epoch}
             if elastic:
-                state["elastic"] = elastic
+                # The same on every rank, and as long as the shuffle buffers' pending items: one
+                # copy per checkpoint (elastic.rank_state puts it back in the others').
+                state["elastic"] = elastic if self.rank == 0 else SHARED
         return state
 
 

@@ -218,7 +218,15 @@ class WorkerProgress:
     beyond: frozenset[int] = frozenset()
 
     def consumed(self) -> list[tuple[int, int]]:
-        return [(self.start, self.done)] + [(p, p + 1) for p in self.beyond if not self.start <= p < self.done]
+        # Runs of consecutive points as one range: behind a shuffle buffer's oldest pending item
+        # most positions are consumed, so thousands of points make few ranges.
+        out = [(self.start, self.done)]
+        for p in sorted(p for p in self.beyond if not self.start <= p < self.done):
+            if out[-1][1] == p:
+                out[-1] = (out[-1][0], p + 1)
+            else:
+                out.append((p, p + 1))
+        return out
 
 
 def remaining_after(ranges: Ranges, progress: Iterable[WorkerProgress]) -> Ranges:
@@ -285,7 +293,7 @@ def saved_progress(
     nworkers: int,
     batch_size: int,
     remainder: str,
-    order: Callable[[int, int, int], Sequence[int]] | None = None,
+    order: Callable[[int, int, int], Iterable[int]] | None = None,
 ) -> list[WorkerProgress]:
     """Every old worker's progress through ``epoch`` (whose sequence was ``ranges``), in virtual
     positions, from the old ranks' saved points (one per rank, in rank order) on the layout
@@ -304,11 +312,12 @@ def saved_progress(
             epochs = point.workers.get(worker, {})
             if epoch in epochs:
                 done, beyond = epochs[epoch]
-                offsets = order(rank, worker, stop - start) if order is not None else None
-                if offsets is None:
+                if order is None:
                     out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond)))
                     continue
-                taken = sorted([offsets[s] for s in range(done)] + [offsets[s] for s in beyond])
+                # The replay runs only as far as the last seq consumed (half the cost mid-epoch).
+                offsets = list(itertools.islice(order(rank, worker, stop - start), max([done - 1, *beyond]) + 1))
+                taken = sorted(offsets[:done] + [offsets[s] for s in beyond])
                 prefix = 0
                 while prefix < len(taken) and taken[prefix] == prefix:
                     prefix += 1

@@ -57,10 +57,15 @@ def shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, leng
     """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, by
     replaying its shuffle buffer over the offsets (its permutation depends on the seed and the
     length only). What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
+    return list(iter_shuffled_offsets(cfg, rank, worker, epoch, length))
+
+
+def iter_shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> Iterator[int]:
+    """shuffled_offsets, lazily: a resume needs them only up to the last seq consumed."""
     if cfg.shuffle_buffer <= 0:
-        return list(range(length))
+        return iter(range(length))
     rng = random.Random(f"{cfg.seed}:{epoch}:{rank}:{worker}:0:samples")
-    return list(wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length))))
+    return wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length)))
 
 
 class ShardStream(IterableDataset):

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from wdsdist.data.elastic import rank_state
 from wdsdist.data.options import Split, default_split
 from wdsdist.data.pipeline import RankLoader
 from wdsdist.errors import UserError
@@ -366,7 +367,7 @@ def loader_state_for(ckpt: dict, path: str, dist: Dist, cfg: DictConfig) -> dict
     fresh stream. Epoch mode with split=shards refuses, since its epochs would not add up."""
     same = ckpt["world"] == dist.world and ckpt["workers"] == cfg.trainer.workers
     if same:
-        return ckpt["loader"][dist.rank]
+        return rank_state(ckpt["loader"], dist.rank)
     what = f"{ckpt['world']} ranks x {ckpt['workers']} workers, now {dist.world} x {cfg.trainer.workers}"
     if cfg.loader.mode == LoaderMode.epoch:
         if (cfg.loader.split or default_split(cfg.loader.mode, cfg.loader.dsrepeat)) == Split.samples:
