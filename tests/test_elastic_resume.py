@@ -355,8 +355,8 @@ def test_a_resized_loader_delivers_every_key_of_the_epoch_once_but_the_padding(
     after = [list(loader) for loader in loaders]
     assert len({len(r) for r in after}) == 1  # every rank the same batches: none hangs
     if at in ("end", 0):
-        assert resize.batches == 0 and resize.epoch == (1 if at == "end" else 0)
-        epoch = resize.epoch
+        assert resize.batches == 0 and resize.start == (1 if at == "end" else 0)
+        epoch = resize.start
         assert {int(b["id"][0, 0]) for r in after for b in r} == {epoch}  # a whole epoch on the new layout
         assert len(after[0]) == rank_batches(total, world, bs, remainder)
         if at == "end":
@@ -434,3 +434,48 @@ def test_a_resize_that_cannot_be_exact_is_refused_in_one_line(tiny_shards, chang
     text = str(exc.value)
     assert "\n" not in text and text.startswith("ckpt-0000002.pt was saved with 2 ranks x 0 workers, now 3 x 1")
     assert message in text
+
+
+def check_once_but_padding(positions, total):
+    """Every position of the epoch delivered, none twice as itself; duplicates are padding only
+    (a padding copy delivered before its original stands in for it: the original is not re-sent)."""
+    assert max(Counter(p for p in positions if p < total).values()) == 1
+    assert set(p % total for p in positions) == set(range(total))
+    assert len(positions) - total <= sum(p >= total for p in positions)
+
+
+def per_epoch_positions(batches_by_rank):
+    """epoch -> the positions delivered in it (repeat mode: a batch may span two epochs)."""
+    out = {}
+    for batches in batches_by_rank:
+        for b in batches:
+            for (epoch, _, _), pos in zip(b["id"].tolist(), b["pos"].tolist(), strict=True):
+                out.setdefault(epoch, []).append(pos)
+    return out
+
+
+@pytest.mark.parametrize("at", [12, 8])
+def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_shards, at):
+    """Repeat mode, 2x2 -> 3x1: workers run across epochs. After 12 batches per rank (of 11 an
+    epoch) worker 1 is in epoch 1 and worker 0 at the end of epoch 0: epoch 1 is re-split, then
+    epoch 2 runs whole; after 8, epoch 0 is re-split, then epoch 1 runs whole. Every position of
+    each epoch once as itself, duplicates only padding."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs = sum(counts), 3
+    spec = str(tiny_shards(counts))
+    kw = dict(mode="repeat")
+    before, states = run_layout(spec, 2, 2, None, at, **kw)
+    loaders = [make_loader(spec, r, 3, loader_cfg(1, **kw), {"resize": states}) for r in range(3)]
+    resize = loaders[0].resize
+    assert [e for e, _, _ in resize.epochs] == ([1] if at == 12 else [0]) and resize.start == resize.epochs[0][0]
+    k_whole = rank_batches(total, 3, bs, "pad")
+    take = sum(k for _, _, k in resize.epochs) + k_whole  # the re-split epochs, then epoch 2 (or 1) whole
+    after = [list(itertools.islice(iter(loader), take)) for loader in loaders]
+    seen, new = per_epoch_positions(before), per_epoch_positions(after)
+    last = resize.epochs[-1][0] + 1  # the first epoch on the new layout
+    for epoch in range(last + 1):
+        positions = seen.get(epoch, []) + new.get(epoch, [])
+        check_once_but_padding(positions, total)
+        assert sum(p >= total for p in positions) < 2 * bs + 3 * bs  # the two layouts' padding at most
+    assert len(new[last]) == k_whole * 3 * bs  # a whole epoch on the new layout
+    assert all(batches == rank_batches(remaining, 3, bs, "pad") for _, remaining, batches in resize.epochs)

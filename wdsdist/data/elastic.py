@@ -59,10 +59,20 @@ class Resize:
     old_workers: int
     world: int
     workers: int
-    epoch: int  # the epoch resumed (the next one after a boundary)
-    remaining: int  # samples of it left to deliver (M); 0: resumed at an epoch boundary
-    batches: int  # batches every rank delivers of it (k'); 0: at a boundary
     batch_size: int
+    start: int  # the epoch the new layout starts in
+    # The epochs re-split, from ``start`` on: (epoch, samples left of it, batches per rank). Epoch
+    # mode has one at most (none: resumed at an epoch's start); in repeat mode a worker may have
+    # been an epoch ahead of another, so there may be more.
+    epochs: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def remaining(self) -> int:
+        return self.epochs[0][1] if self.epochs else 0
+
+    @property
+    def batches(self) -> int:
+        return self.epochs[0][2] if self.epochs else 0
 
     @property
     def delivered(self) -> int:
@@ -70,14 +80,16 @@ class Resize:
 
     def line(self) -> str:
         layout = f"resize: {_layout(self.old_world, self.old_workers)} -> {_layout(self.world, self.workers)}"
-        if not self.batches:
-            return f"{layout}, at the start of epoch {self.epoch}: nothing to re-split"
-        rest = self.delivered - self.remaining
-        extra = f"padding {rest}" if rest >= 0 else f"dropping {-rest}"
-        return (
-            f"{layout}, epoch {self.epoch}: {self.remaining} samples remain, {self.batches} batches of "
-            f"{self.batch_size} per rank, {extra}"
-        )
+        if not self.epochs:
+            return f"{layout}, at the start of epoch {self.start}: nothing to re-split"
+        parts = []
+        for epoch, remaining, batches in self.epochs:
+            rest = batches * self.world * self.batch_size - remaining
+            extra = f"padding {rest}" if rest >= 0 else f"dropping {-rest}"
+            parts.append(
+                f"epoch {epoch}: {remaining} samples remain, {batches} batches of {self.batch_size} per rank, {extra}"
+            )
+        return f"{layout}, " + "; ".join(parts)
 
 
 def _layout(world: int, workers: int) -> str:
@@ -111,35 +123,48 @@ def resize_state(
     if first["seed"] != cfg.seed:
         raise UserError(f"{layout}, with seed {first['seed']} (each epoch's order comes from it): keep that seed")
     points = [ResumePoint.from_state(s["point"]) for s in saved]
-    epoch = min(p.epoch for p in points)
-    elastic = first.get("elastic", {}).get(str(epoch))
-    ranges: Ranges = tuple((int(a), int(b)) for a, b in elastic) if elastic else whole_epoch(sum(counts))
-    begun = any(epoch in e for p in points for e in p.workers.values()) or any(p.epoch > epoch for p in points)
-    if begun and first["remainder"] != str(cfg.remainder):
-        raise UserError(
-            f"{layout}, in the middle of epoch {epoch} with loader.remainder={first['remainder']}: keep it "
-            f"(or resume from a checkpoint at an epoch's end)"
+    begun_epochs = {e for p in points for epochs in p.workers.values() for e in epochs}
+    lo = min([p.epoch for p in points] + sorted(begun_epochs))
+    saved_ranges = first.get("elastic") or {}
+    # The old workers' seqs count their shuffled streams: replay each shuffle with the old run's
+    # buffer and seed to map them to span positions.
+    replay = replace(cfg, seed=first["seed"], shuffle_buffer=first["shuffle_buffer"])
+    # Repeat mode: a worker may be an epoch ahead of another; each epoch in flight is re-split.
+    resplit: list[tuple[int, Ranges]] = []
+    for epoch in range(lo, max(begun_epochs, default=lo) + 1):
+        elastic = saved_ranges.get(str(epoch))
+        ranges: Ranges = (
+            tuple((int(a), int(b)) for a, b in elastic) if elastic is not None else whole_epoch(sum(counts))
         )
-    info = Resize(old_world, int(old_workers), world, cfg.workers, epoch, 0, 0, cfg.batch_size)
-    if not begun and not elastic:  # at an epoch's start: it runs whole on the new layout
-        return {"point": ResumePoint(epoch).state(), "batches": 0}, info
-    if begun:
-        # The old workers' seqs count their shuffled streams: replay each shuffle with the old
-        # run's buffer and seed to map them to span positions.
-        replay = replace(cfg, seed=first["seed"], shuffle_buffer=first["shuffle_buffer"])
-        progress = saved_progress(
-            points,
-            epoch,
-            ranges,
-            max(int(old_workers), 1),
-            first["batch_size"],
-            first["remainder"],
-            lambda r, w, n: iter_shuffled_offsets(replay, r, w, epoch, n),
-        )
-        ranges = remaining_after(ranges, progress)
-    batches = rank_batches(ranges_length(ranges), world, cfg.batch_size, str(cfg.remainder))
-    if batches == 0:  # nothing left of the epoch (or, with drop, less than one batch per rank): the next one
-        return {"point": ResumePoint(epoch + 1).state(), "batches": 0}, replace(info, epoch=epoch + 1)
-    info = replace(info, remaining=ranges_length(ranges), batches=batches)
-    state = {"point": ResumePoint(epoch).state(), "batches": 0, "elastic": {str(epoch): [list(r) for r in ranges]}}
+        begun = any(e >= epoch for e in begun_epochs) or any(p.epoch > epoch for p in points)
+        if not begun and elastic is None:  # not begun by anyone: whole on the new layout
+            continue
+        if begun:
+            if first["remainder"] != str(cfg.remainder):
+                raise UserError(
+                    f"{layout}, in the middle of epoch {epoch} with loader.remainder={first['remainder']}: keep it "
+                    f"(or resume from a checkpoint at an epoch's end)"
+                )
+            progress = saved_progress(
+                points,
+                epoch,
+                ranges,
+                max(int(old_workers), 1),
+                first["batch_size"],
+                first["remainder"],
+                lambda r, w, n, epoch=epoch: iter_shuffled_offsets(replay, r, w, epoch, n),
+            )
+            ranges = remaining_after(ranges, progress)
+        resplit.append((epoch, ranges))
+    start = lo
+    while resplit and not rank_batches(ranges_length(resplit[0][1]), world, cfg.batch_size, str(cfg.remainder)):
+        start = resplit.pop(0)[0] + 1  # nothing left of it (with drop: less than a batch per rank)
+    summary = tuple(
+        (e, ranges_length(r), rank_batches(ranges_length(r), world, cfg.batch_size, str(cfg.remainder)))
+        for e, r in resplit
+    )
+    info = Resize(old_world, int(old_workers), world, cfg.workers, cfg.batch_size, start, summary)
+    state: dict = {"point": ResumePoint(start).state(), "batches": 0}
+    if resplit:
+        state["elastic"] = {str(e): [list(r) for r in ranges] for e, ranges in resplit}
     return state, info

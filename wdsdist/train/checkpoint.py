@@ -361,21 +361,26 @@ def restore(ckpt: dict, path: str, dist: Dist, cfg: DictConfig, model: nn.Module
 
 
 def loader_state_for(ckpt: dict, path: str, dist: Dist, cfg: DictConfig) -> dict | None:
-    """This rank's saved loader position; on another layout in epoch mode with loader.split=samples,
-    every rank's (the loader re-splits the interrupted epoch's remaining samples over this layout:
-    data/elastic.py); or None (with a warning) when the layout changed in a mode that starts a
-    fresh stream. Epoch mode with split=shards refuses, since its epochs would not add up."""
+    """This rank's saved loader position; on another layout with loader.split=samples, every rank's
+    (the loader re-splits the epochs in flight over this layout: data/elastic.py); or None (with a
+    warning) when the layout changed in a mode that starts a fresh stream (split=shards in repeat
+    mode, resampled mode). Epoch mode with split=shards refuses: its epochs would not add up."""
     same = ckpt["world"] == dist.world and ckpt["workers"] == cfg.trainer.workers
     if same:
         return rank_state(ckpt["loader"], dist.rank)
     what = f"{ckpt['world']} ranks x {ckpt['workers']} workers, now {dist.world} x {cfg.trainer.workers}"
+    samples = (cfg.loader.split or default_split(cfg.loader.mode, cfg.loader.dsrepeat)) == Split.samples
+    if samples and cfg.loader.mode != LoaderMode.resampled:
+        return {"resize": ckpt["loader"], "checkpoint": path}
     if cfg.loader.mode == LoaderMode.epoch:
-        if (cfg.loader.split or default_split(cfg.loader.mode, cfg.loader.dsrepeat)) == Split.samples:
-            return {"resize": ckpt["loader"], "checkpoint": path}
         raise UserError(
             f"{path} was saved with {what}: loader.mode=epoch resumes on another layout only with "
             f"loader.split=samples (with split=shards: the same ranks and workers)"
         )
     if dist.is_main:
-        print(f"warning: {path} was saved with {what}: the loader starts a fresh, reseeded stream", file=sys.stderr)
+        print(
+            f"warning: {path} was saved with {what}: the loader starts a fresh, reseeded stream "
+            f"(loader.split=samples would resume it exactly)",
+            file=sys.stderr,
+        )
     return None
