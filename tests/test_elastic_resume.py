@@ -332,6 +332,7 @@ RESIZES = [
     (2, 2, 3, 1, 6, "drop", 5),
     (3, 1, 1, 2, 1, "drop", 0),
     (1, 0, 2, 2, 9, "pad", 4),
+    (2, 2, 1, 3, 10, "pad", 0),  # 2 batches left for 3 workers: one reads nothing
     (2, 2, 3, 1, "end", "pad", 0),  # at the epoch's end: the next epoch runs whole on the new layout
     (3, 1, 1, 2, 0, "pad", 0),  # at the epoch's start
 ]
@@ -454,21 +455,22 @@ def per_epoch_positions(batches_by_rank):
     return out
 
 
-@pytest.mark.parametrize("at", [12, 8])
-def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_shards, at):
-    """Repeat mode, 2x2 -> 3x1: workers run across epochs. After 12 batches per rank (of 11 an
-    epoch) worker 1 is in epoch 1 and worker 0 at the end of epoch 0: epoch 1 is re-split, then
-    epoch 2 runs whole; after 8, epoch 0 is re-split, then epoch 1 runs whole. Every position of
-    each epoch once as itself, duplicates only padding."""
+@pytest.mark.parametrize("at,world,workers", [(12, 3, 1), (8, 3, 1), (10, 1, 3)])
+def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_shards, at, world, workers):
+    """Repeat mode, 2x2 -> 3x1 (or 1x3): workers run across epochs. After 12 batches per rank (of
+    11 an epoch) worker 1 is in epoch 1 and worker 0 at the end of epoch 0: epoch 1 is re-split,
+    then epoch 2 runs whole; after 8 (or 10), epoch 0 is re-split, then epoch 1 runs whole. Every
+    position of each epoch once as itself, duplicates only padding. After 10, 2 batches are left
+    for 3 workers: one has nothing of epoch 0 and goes on to epoch 1 (not an error: no read failed)."""
     counts = [7, 13, 5, 11, 9, 6, 12]
     total, bs = sum(counts), 3
     spec = str(tiny_shards(counts))
     kw = dict(mode="repeat")
     before, states = run_layout(spec, 2, 2, None, at, **kw)
-    loaders = [make_loader(spec, r, 3, loader_cfg(1, **kw), {"resize": states}) for r in range(3)]
+    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), {"resize": states}) for r in range(world)]
     resize = loaders[0].resize
     assert [e for e, _, _ in resize.epochs] == ([1] if at == 12 else [0]) and resize.start == resize.epochs[0][0]
-    k_whole = rank_batches(total, 3, bs, "pad")
+    k_whole = rank_batches(total, world, bs, "pad")
     take = sum(k for _, _, k in resize.epochs) + k_whole  # the re-split epochs, then epoch 2 (or 1) whole
     after = [list(itertools.islice(iter(loader), take)) for loader in loaders]
     seen, new = per_epoch_positions(before), per_epoch_positions(after)
@@ -476,6 +478,6 @@ def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_sh
     for epoch in range(last + 1):
         positions = seen.get(epoch, []) + new.get(epoch, [])
         check_once_but_padding(positions, total)
-        assert sum(p >= total for p in positions) < 2 * bs + 3 * bs  # the two layouts' padding at most
-    assert len(new[last]) == k_whole * 3 * bs  # a whole epoch on the new layout
-    assert all(batches == rank_batches(remaining, 3, bs, "pad") for _, remaining, batches in resize.epochs)
+        assert sum(p >= total for p in positions) < 2 * bs + world * bs  # the two layouts' padding at most
+    assert len(new[last]) == k_whole * world * bs  # a whole epoch on the new layout
+    assert all(batches == rank_batches(remaining, world, bs, "pad") for _, remaining, batches in resize.epochs)
