@@ -101,6 +101,12 @@ def test_a_resize_delivers_every_sample_of_the_interrupted_epoch_once_but_the_st
         assert f"resize: {layouts}" in log and "at the start of epoch 1: nothing to re-split" in log
         k_resumed, padding = 0, 0
     assert steps[0] == done + k_resumed + k_new  # the resumed epoch's batches, then a whole one on the new layout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(second), size_guidance={"scalars": 0}).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("data/padded_samples")]
+    whole = [(done + k_resumed, k_new * new[0] * BS - N)]
+    assert logged == ([(done, padding)] if stop == "mid" else []) + whole  # each epoch's own padding, at its start
     epoch0 = [p for r in before.values() for e, pos in r for p in pos if e == 0]
     epoch0 += [p for r in after.values() for e, pos in r for p in pos if e == 0]
     assert all(len(pos) == BS for part in (before, after) for r in part.values() for _, pos in r)
