@@ -9,8 +9,8 @@ sequence (``batch["pos"]``: the shards in the epoch's seeded order, read as one 
 N on, the padding: position - N again). A same-layout resume stays the seq-based skip above
 (bit-exact: each worker's shuffled stream replays and drops what was consumed).
 
-Elastic resume (issue 14 item 4; the pure part is built: the functions at the end of this
-module; the loader and trainer do not call them yet):
+Elastic resume (the pure functions at the end of this module; elastic.py applies them to a
+checkpoint's loader states, and RankLoader and the trainer resume from the result):
   - state: per old worker, its span [a, b) of the interrupted epoch (splits.sample_span, from
     world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
     positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
@@ -18,8 +18,10 @@ module; the loader and trainer do not call them yet):
     never O(samples). The tracker can follow ``pos`` beside ``seq`` to keep them; today's
     seq-based state names them too, since the shuffle buffer's permutation depends only on
     its seed and the stream's length: replaying a worker's shuffle over its span's position
-    numbers maps seq to pos (tests/test_sample_split.py holds this), unless a shard failed
-    mid-span (then its samples are missing, which the resume must count as consumed).
+    numbers maps seq to pos (tests/test_sample_split.py holds this). A shard that fails mid-span
+    leaves a placeholder at each position it did not deliver (stream.FAILED), so the stream keeps
+    its length and its shuffle; placeholders and undecodable samples ride on the next row as
+    skipped seqs, which the tracker counts consumed.
   - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
     [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
     ranges and the scattered pending points). They are one shorter sequence of M samples, split
@@ -299,10 +301,11 @@ def saved_progress(
     positions, from the old ranks' saved points (one per rank, in rank order) on the layout
     they were saved with. A worker reads its span's positions in order, but its seq numbers
     count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
-    seq (stream.shuffled_offsets replays the shuffle; None: no shuffle). That holds while no
-    shard of the span failed to read (a failed shard shifts what follows: the tracker should
-    follow ``pos`` instead). A worker with no entry for ``epoch`` delivered nothing of it, or
-    all of it if it is past it. Replaying costs O(span) time, transiently; the result is small."""
+    seq, in seq order (stream.iter_shuffled_offsets replays the shuffle; None: no shuffle); a
+    failed shard keeps its positions in the stream as placeholders, so that holds with bad data
+    too. A worker with no entry for ``epoch`` delivered nothing of it, or all of it if it is
+    past it. Replaying costs O(span) time, transiently, up to the last seq consumed; the result
+    is small."""
     world = len(points)
     batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
     out = []

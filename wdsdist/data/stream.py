@@ -4,8 +4,9 @@ every epoch, read, shuffled, decoded and batched (the first half of pipeline.py'
 With loader.split=samples a worker reads its span of the epoch's sample sequence instead
 (splits.sample_span over the shards in the epoch's order), starting and stopping mid-shard
 through spanread.read_span. Every sample's id then carries its position in that sequence
-(positions from N on are the padding: sample position - N again), which is what an elastic
-resume needs (see resume.py).
+(``batch["pos"]``: the sample is position mod N; from N on it is padding, a sample again). In an
+epoch re-split by an elastic resume (resume.py, elastic.py) the worker's span is of the epoch's
+remaining positions, and positions stay the epoch's own: real ones, plus N for padding.
 """
 
 from __future__ import annotations
