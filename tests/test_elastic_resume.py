@@ -365,6 +365,8 @@ def test_a_resized_loader_delivers_every_key_of_the_epoch_once_but_the_padding(
         check_positions(after, sequence_of(counts, 3, epoch))
         return
     assert len(after[0]) == resize.batches == rank_batches(resize.remaining, world, bs, remainder)
+    state = loaders[0].state_dict()  # at the resumed epoch's end: the next epoch is whole, no ranges kept
+    assert state["point"] == {"epoch": 1, "workers": {}} and "elastic" not in state
     check_positions(after, sequence)
     new = Counter(k for r in after for b in r for k in b["key"])
     padded_positions = sum(int((b["pos"] >= total).sum()) for r in after for b in r)

@@ -214,10 +214,10 @@ class RankLoader:
         if self.counts is not None:
             state["samples"], state["counts"] = sum(self.counts), counts_digest(self.counts)
             # An epoch under way that was re-split on resume: a later resume (same layout or not)
-            # goes on from its positions, not the whole epoch's.
-            # Repeat mode: an epoch stays until every worker has moved past it.
+            # goes on from its positions, not the whole epoch's. In repeat mode an epoch stays
+            # until every worker has moved past it.
             epochs = [e for e, _, _ in self.tracker.open.values()]
-            low = min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch
+            low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
             elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
             if elastic:
                 # The same on every rank, and as long as the shuffle buffers' pending items: one
