@@ -42,12 +42,14 @@ def args(index: Path, run: Path, workers: int, *extra: str) -> list[str]:
     ]
 
 
-def traced(where: Path) -> dict[int, list[tuple[int, list[int]]]]:
-    """rank -> [(epoch, positions)] per step it trained, in order."""
+def traced(where: Path, before: int | None = None) -> dict[int, list[tuple[int, list[int]]]]:
+    """rank -> [(epoch, positions)] per step it trained (those before step ``before``), in order."""
     out = {}
     for path in sorted(where.glob("rank-*.txt")):
         rows = [line.split() for line in path.read_text().splitlines()]
-        out[int(path.stem[5:])] = [(int(e), [int(p) for p in pos.split(",")]) for _, e, pos in rows]
+        out[int(path.stem[5:])] = [
+            (int(e), [int(p) for p in pos.split(",")]) for step, e, pos in rows if before is None or int(step) < before
+        ]
     return out
 
 
@@ -68,27 +70,28 @@ def run(nproc: int, workers: int, index: Path, run_dir: Path, trace: Path, *extr
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize(
-    "old,new,stop",
-    [((2, 2), (3, 1), "mid"), ((3, 1), (1, 2), "mid"), ((2, 2), (3, 1), "end"), ((3, 1), (1, 2), "end")],
-    ids=["2x2-3x1-mid", "3x1-1x2-mid", "2x2-3x1-end", "3x1-1x2-end"],
-)
-def test_a_resize_delivers_every_sample_of_the_interrupted_epoch_once_but_the_stated_padding(tmp_path, old, new, stop):
+@pytest.mark.parametrize("old,new", [((2, 2), (3, 1)), ((3, 1), (1, 2))], ids=["2x2-3x1", "3x1-1x2"])
+def test_a_resize_delivers_every_sample_of_the_interrupted_epoch_once_but_the_stated_padding(tmp_path, old, new):
+    """One epoch on the old layout, checkpoints after 3 steps and at the epoch's end; each resumed
+    on the new layout for the rest of epoch 0 (mid) or none of it (end), then epoch 1 whole."""
     index = write_tiny_shards(tmp_path / "train", COUNTS, "train", size=32)
     first = tmp_path / "first"
     k_old = rank_batches(N, old[0], BS, "pad")
-    until = ["trainer.steps=3"] if stop == "mid" else ["trainer.epochs=1"]
-    summary = run(*old, index, first, tmp_path / "trace1", *until)
-    done = 3 if stop == "mid" else k_old
-    assert summary["rank_steps"] == [done] * old[0]
-    second = tmp_path / "second"
-    summary = run(*new, index, second, tmp_path / "trace2", "trainer.epochs=2", f"trainer.resume={first / 'latest.pt'}")
+    summary = run(*old, index, first, tmp_path / "trace1", "trainer.epochs=1", "trainer.ckpt_every=3", "trainer.keep=9")
+    assert summary["rank_steps"] == [k_old] * old[0]
+    for stop, done in (("mid", 3), ("end", k_old)):
+        resumed(tmp_path, index, old, new, stop, done, first / f"ckpt-{done:07d}.pt")
+
+
+def resumed(tmp_path: Path, index: Path, old, new, stop: str, done: int, ckpt: Path) -> None:
+    second, trace = tmp_path / f"second-{stop}", tmp_path / f"trace-{stop}"
+    summary = run(*new, index, second, trace, "trainer.epochs=2", f"trainer.resume={ckpt}")
     log = (second / "train.log").read_text()
-    before, after = traced(tmp_path / "trace1"), traced(tmp_path / "trace2")
+    before, after = traced(tmp_path / "trace1", done), traced(trace)
     assert sorted(before) == list(range(old[0])) and sorted(after) == list(range(new[0]))
     steps = summary["rank_steps"]
     assert len(set(steps)) == 1 and len(set(summary["rank_params"])) == 1  # every rank in step: none hung
-    k_new = rank_batches(N, new[0], BS, "pad")
+    k_old, k_new = rank_batches(N, old[0], BS, "pad"), rank_batches(N, new[0], BS, "pad")
     layouts = f"{layout(*old)} -> {layout(*new)}"
     if stop == "mid":
         line = re.search(
