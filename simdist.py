@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="pad",
         help="--split samples: pad or drop (default: %(default)s)",
     )
-    resize = p.add_argument_group("an elastic resume (--split samples, --plan)")
+    resize = p.add_argument_group("an elastic resume (--split samples)")
     resize.add_argument(
         "--resize-at", type=integer(0), metavar="K", help="checkpoint after K batches per rank, resume on a new layout"
     )
@@ -127,14 +127,15 @@ def main(argv=None) -> int:
         print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
     if args.resize_at is None and (args.to_size is not None or args.to_nworkers is not None):
         raise UserError("--to-size/--to-nworkers describe the layout after --resize-at K: give --resize-at too")
-    if args.resize_at is not None and not args.plan:
-        raise UserError("--resize-at simulates the plan only for now: add --plan")
     sim = simdist.simulate_plan(layout(args), settings)
     resize = None
     if args.resize_at is not None:
         to_size = args.size if args.to_size is None else args.to_size
         to_nworkers = args.nworkers if args.to_nworkers is None else args.to_nworkers
-        resize = simdist.simulate_resize(sim, args.resize_at, to_size, to_nworkers)
+        if args.plan:
+            resize = simdist.simulate_resize(sim, args.resize_at, to_size, to_nworkers)
+        else:  # the training loader itself, resumed as the trainer resumes it
+            resize = simdist.simulate_resize_real(sim, args.resize_at, to_size, to_nworkers, access=access(args))
     real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen, access=access(args))
     return simdist.report(
         sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot, resize=resize

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from wdsdist.data.elastic import SHARED, rank_state
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import (
@@ -23,6 +24,7 @@ from wdsdist.data.resume import (
 )
 from wdsdist.data.splits import plan_samples, rank_batches, sample_span, span_pieces
 from wdsdist.data.stream import shard_order, shuffled_offsets
+from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard
 CUMULATIVE = list(itertools.accumulate(COUNTS, initial=0))
@@ -223,3 +225,261 @@ def test_a_loaders_saved_state_names_the_positions_it_delivered(tiny_shards, cro
     padding = sum(new.values()) - ranges_length(left)
     assert 0 <= padding < 3 * bs
     assert sum(n - 1 for n in (keys + new).values()) == sum(n - 1 for n in keys.values()) + padding
+
+
+def damaged_shards(tiny_shards, counts):
+    """tiny_shards(counts), then: sample 3 of shard 1 made undecodable (its key kept), shard 4
+    cut mid-way (its first samples read, then the read fails)."""
+    import webdataset as wds
+
+    from tests.conftest import jpeg
+
+    index = tiny_shards(counts)
+    root = index.parent
+    first = list(itertools.accumulate(counts, initial=0))
+    with wds.TarWriter(str(root / "tiny-000001.tar")) as w:
+        for j in range(counts[1]):
+            n = first[1] + j
+            data = b"\xff\xd8 not a jpeg" if j == 3 else jpeg(n)[0]
+            w.write({"__key__": f"s{n:07d}", "jpg": data, "cls": "1"})
+    cut = root / "tiny-000004.tar"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    return str(index), {f"s{first[1] + 3:07d}"}, {f"s{first[4] + j:07d}" for j in range(counts[4])}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_and_a_failed_shard_keep_the_saved_state_small_and_exact(tiny_shards, workers):
+    """A sample that fails to decode and a shard that fails mid-span are counted consumed: the
+    saved state stays a prefix (no skip set growing with every later sample), names exactly the
+    positions delivered or skipped, and a resume delivers the rest of the good keys once."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs, seed = sum(counts), 3, 5
+    spec, undecodable, cut = damaged_shards(tiny_shards, counts)
+    c = LoaderConfig(
+        batch_size=bs, workers=workers, mode="epoch", split="samples", image_size=8, with_keys=True,
+        shuffle_buffer=4, seed=seed,
+    )  # fmt: skip
+    first = list(itertools.accumulate(counts, initial=0))
+    order = shard_order(range(len(counts)), seed, 0, 1)
+    sequence = [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
+    loader = make_loader(spec, 0, 1, c)
+    batches = list(loader)
+    keys = [k for b in batches for k in b["key"]]
+    assert len(keys) == len(set(keys)) and undecodable.isdisjoint(keys)
+    lost = total - len(keys)  # the undecodable one, the cut shard's tail, the last partial batch's
+    assert 1 + 1 < lost < 1 + 9 + max(workers, 1) * bs
+    state = loader.state_dict()
+    for entry in state["point"]["workers"].values():
+        for _start, skip in entry.values():
+            assert len(skip) < bs + c.shuffle_buffer  # before the fix: every seq after the first hole
+    # Mid-epoch: a checkpoint after 6 batches names what they delivered plus what was skipped
+    # before them, and a same-layout resume delivers every other good key once.
+    loader = make_loader(spec, 0, 1, c)
+    before = [k for b in itertools.islice(iter(loader), 6) for k in b["key"]]
+    saved = loader.state_dict()
+    progress = saved_progress(
+        [ResumePoint.from_state(saved["point"])], 0, whole_epoch(total), max(workers, 1), bs, "pad",
+        lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n),
+    )  # fmt: skip
+    consumed = {sequence[p % total] for p in consumed_positions(whole_epoch(total), progress)}
+    assert set(before) <= consumed and consumed - set(before) <= set(sequence) - set(keys)
+    after = [k for b in make_loader(spec, 0, 1, c, saved) for k in b["key"]]
+    assert not set(before) & set(after) and len(after) == len(set(after))
+    missing = set(sequence) - set(before) - set(after)
+    assert undecodable <= missing and len(missing - undecodable - cut) < max(workers, 1) * bs  # partial batches
+
+
+# ---------------------------------------------------------------- the loader, resumed on another layout
+
+
+def loader_cfg(workers, **kw):
+    base = dict(batch_size=3, workers=workers, mode="epoch", split="samples", image_size=8, with_keys=True,
+                shuffle_buffer=20, seed=3)  # fmt: skip
+    return LoaderConfig(**(base | kw))
+
+
+def sequence_of(counts, seed, epoch):
+    first = list(itertools.accumulate(counts, initial=0))
+    return [f"s{first[i] + j:07d}" for i in shard_order(range(len(counts)), seed, epoch, 1) for j in range(counts[i])]
+
+
+def run_layout(spec, world, workers, states, at=None, **kw):
+    """Every rank's loader on this layout (resumed from ``states``: one rank's state each when the
+    layout is theirs, else {"resize": all of them}), ``at`` batches of each (None: the epoch);
+    the batches per rank, and the new states."""
+    out, saved = [], []
+    for rank in range(world):
+        state = rank_state(states, rank) if states and "resize" not in states[0] else states[0] if states else None
+        loader = make_loader(spec, rank, world, loader_cfg(workers, **kw), state)
+        out.append(list(itertools.islice(iter(loader), at)))
+        saved.append(loader.state_dict())
+    return out, saved
+
+
+def check_positions(batches, sequence):
+    """Each batch position names its sample: position mod N; from N on, padding."""
+    total = len(sequence)
+    for rank_batches_ in batches:
+        for b in rank_batches_:
+            for pos, key in zip(b["pos"].tolist(), b["key"], strict=True):
+                assert sequence[pos % total] == key
+
+
+RESIZES = [
+    # (old world, old workers, new world, new workers, batches before the checkpoint, remainder, cross_shuffle)
+    (2, 2, 3, 1, 4, "pad", 0),
+    (3, 1, 1, 2, 3, "pad", 0),
+    (2, 2, 3, 1, 6, "drop", 5),
+    (3, 1, 1, 2, 1, "drop", 0),
+    (1, 0, 2, 2, 9, "pad", 4),
+    (2, 2, 1, 3, 10, "pad", 0),  # 2 batches left for 3 workers: one reads nothing
+    (2, 2, 3, 1, "end", "pad", 0),  # at the epoch's end: the next epoch runs whole on the new layout
+    (3, 1, 1, 2, 0, "pad", 0),  # at the epoch's start
+]
+
+
+@pytest.mark.parametrize("old_world,old_workers,world,workers,at,remainder,cross", RESIZES)
+def test_a_resized_loader_delivers_every_key_of_the_epoch_once_but_the_padding(
+    tiny_shards, old_world, old_workers, world, workers, at, remainder, cross
+):
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs = sum(counts), 3
+    spec = str(tiny_shards(counts))
+    kw = dict(remainder=remainder, cross_shuffle=cross)
+    k_old = rank_batches(total, old_world, bs, remainder)
+    before, states = run_layout(spec, old_world, old_workers, None, k_old if at == "end" else at, **kw)
+    sequence = sequence_of(counts, 3, 0)
+    check_positions(before, sequence)
+    seen = Counter(k for r in before for b in r for k in b["key"])
+    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), {"resize": states}) for r in range(world)]
+    resize = loaders[0].resize
+    after = [list(loader) for loader in loaders]
+    assert len({len(r) for r in after}) == 1  # every rank the same batches: none hangs
+    if at in ("end", 0):
+        assert resize.batches == 0 and resize.start == (1 if at == "end" else 0)
+        epoch = resize.start
+        assert {int(b["id"][0, 0]) for r in after for b in r} == {epoch}  # a whole epoch on the new layout
+        assert len(after[0]) == rank_batches(total, world, bs, remainder)
+        if at == "end":
+            assert Counter(seen) == Counter(sequence) + Counter(sequence[: k_old * old_world * bs - total])
+        check_positions(after, sequence_of(counts, 3, epoch))
+        return
+    assert len(after[0]) == resize.batches == rank_batches(resize.remaining, world, bs, remainder)
+    state = loaders[0].state_dict()  # at the resumed epoch's end: the next epoch is whole, no ranges kept
+    assert state["point"] == {"epoch": 1, "workers": {}} and "elastic" not in state
+    check_positions(after, sequence)
+    new = Counter(k for r in after for b in r for k in b["key"])
+    padded_positions = sum(int((b["pos"] >= total).sum()) for r in after for b in r)
+    both = seen + new
+    rest = resize.delivered - resize.remaining
+    if remainder == "pad":
+        assert set(both) == set(sequence)  # every key of the epoch at least once
+        assert 0 <= rest < world * bs and padded_positions == rest
+        assert sum(n - 1 for n in both.values()) == sum(n - 1 for n in seen.values()) + rest
+    else:
+        assert max(both.values()) == 1  # never twice
+        assert 0 <= -rest < world * bs and len(both) == total + rest  # the old layout's drop is left, not lost
+    # The next epoch is whole on the new layout.
+    nxt = [list(loader) for loader in loaders]
+    assert [len(r) for r in nxt] == [rank_batches(total, world, bs, remainder)] * world
+    assert {int(b["id"][0, 0]) for r in nxt for b in r} == {1}
+    keys = Counter(k for r in nxt for b in r for k in b["key"])
+    assert set(keys) == set(sequence) if remainder == "pad" else max(keys.values()) == 1
+
+
+def test_a_resumed_epoch_resumes_again_exactly_on_its_layout_and_on_a_third(tiny_shards):
+    """2x2 -> 3x1 after 4 batches; 3x1 stopped after 2 more: on 3x1 it goes on bit for bit as if
+    never stopped; on 1x2 (a second resize) the epoch still ends with every key once but padding."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs = sum(counts), 3
+    spec = str(tiny_shards(counts))
+    sequence = sequence_of(counts, 3, 0)
+    first, states = run_layout(spec, 2, 2, None, 4)
+    straight, _ = run_layout(spec, 3, 1, [{"resize": states}])
+    second, states2 = run_layout(spec, 3, 1, [{"resize": states}], 2)
+    assert "elastic" in states2[0] and all(s["elastic"] == SHARED for s in states2[1:])  # one copy
+    rest, _ = run_layout(spec, 3, 1, states2)
+    for r in range(3):
+        assert [b["key"] for b in second[r] + rest[r]] == [b["key"] for b in straight[r]]
+    third, _ = run_layout(spec, 1, 2, [{"resize": states2}])
+    check_positions(third, sequence)
+    seen = Counter(k for part in (first, second, third) for r in part for b in r for k in b["key"])
+    assert set(seen) == set(sequence)
+    positions = [p for part in (first, second, third) for r in part for b in r for p in b["pos"].tolist()]
+    assert max(Counter(p for p in positions if p < total).values()) == 1  # no position twice as itself
+    # Duplicates are padding only (a padding copy delivered before its original stands in for it).
+    assert 0 < sum(n - 1 for n in seen.values()) <= sum(p >= total for p in positions) < (2 + 3 + 1) * bs
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"batch_size": 4}, "with trainer.batch_size=3: keep that batch size"),
+        ({"seed": 4}, "with seed 3 (each epoch's order comes from it): keep that seed"),
+        ({"remainder": "drop"}, "in the middle of epoch 0 with loader.remainder=pad: keep it"),
+        ({"shards": [7, 13, 5, 11, 9, 6, 11]}, "over other shards (63 samples then, 62 in 7 shards now)"),
+        ({"older": "samples"}, "lacks what a re-split needs (samples; written by an older version)"),
+        ({"older": "split"}, "lacks what a re-split needs (split, samples, counts; written by an older version)"),
+    ],
+)
+def test_a_resize_that_cannot_be_exact_is_refused_in_one_line(tiny_shards, change, message):
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    spec = str(tiny_shards(counts))
+    _, states = run_layout(spec, 2, 0, None, 2)
+    if "older" in change:
+        drop = {"samples": ["samples"], "split": ["split", "samples", "counts"]}[change["older"]]
+        states = [{k: v for k, v in s.items() if k not in drop} for s in states]
+    if "shards" in change:
+        spec = str(tiny_shards(change["shards"], prefix="other"))
+    kw = {k: v for k, v in change.items() if k in ("batch_size", "seed", "remainder")}
+    with pytest.raises(UserError) as exc:
+        make_loader(spec, 0, 3, loader_cfg(1, **kw), {"resize": states, "checkpoint": "ckpt-0000002.pt"})
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith("ckpt-0000002.pt was saved with 2 ranks x 0 workers, now 3 x 1")
+    assert message in text
+
+
+def check_once_but_padding(positions, total):
+    """Every position of the epoch delivered, none twice as itself; duplicates are padding only
+    (a padding copy delivered before its original stands in for it: the original is not re-sent)."""
+    assert max(Counter(p for p in positions if p < total).values()) == 1
+    assert set(p % total for p in positions) == set(range(total))
+    assert len(positions) - total <= sum(p >= total for p in positions)
+
+
+def per_epoch_positions(batches_by_rank):
+    """epoch -> the positions delivered in it (repeat mode: a batch may span two epochs)."""
+    out = {}
+    for batches in batches_by_rank:
+        for b in batches:
+            for (epoch, _, _), pos in zip(b["id"].tolist(), b["pos"].tolist(), strict=True):
+                out.setdefault(epoch, []).append(pos)
+    return out
+
+
+@pytest.mark.parametrize("at,world,workers", [(12, 3, 1), (8, 3, 1), (10, 1, 3)])
+def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_shards, at, world, workers):
+    """Repeat mode, 2x2 -> 3x1 (or 1x3): workers run across epochs. After 12 batches per rank (of
+    11 an epoch) worker 1 is in epoch 1 and worker 0 at the end of epoch 0: epoch 1 is re-split,
+    then epoch 2 runs whole; after 8 (or 10), epoch 0 is re-split, then epoch 1 runs whole. Every
+    position of each epoch once as itself, duplicates only padding. After 10, 2 batches are left
+    for 3 workers: one has nothing of epoch 0 and goes on to epoch 1 (not an error: no read failed)."""
+    counts = [7, 13, 5, 11, 9, 6, 12]
+    total, bs = sum(counts), 3
+    spec = str(tiny_shards(counts))
+    kw = dict(mode="repeat")
+    before, states = run_layout(spec, 2, 2, None, at, **kw)
+    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), {"resize": states}) for r in range(world)]
+    resize = loaders[0].resize
+    assert [e for e, _, _ in resize.epochs] == ([1] if at == 12 else [0]) and resize.start == resize.epochs[0][0]
+    k_whole = rank_batches(total, world, bs, "pad")
+    take = sum(k for _, _, k in resize.epochs) + k_whole  # the re-split epochs, then epoch 2 (or 1) whole
+    after = [list(itertools.islice(iter(loader), take)) for loader in loaders]
+    seen, new = per_epoch_positions(before), per_epoch_positions(after)
+    last = resize.epochs[-1][0] + 1  # the first epoch on the new layout
+    for epoch in range(last + 1):
+        positions = seen.get(epoch, []) + new.get(epoch, [])
+        check_once_but_padding(positions, total)
+        assert sum(p >= total for p in positions) < 2 * bs + world * bs  # the two layouts' padding at most
+    assert len(new[last]) == k_whole * world * bs  # a whole epoch on the new layout
+    assert all(batches == rank_batches(remaining, world, bs, "pad") for _, remaining, batches in resize.epochs)

@@ -76,7 +76,6 @@ def test_plan_at_scale_stays_arithmetic(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--split", "samples", "--resize-at", "3"], "--resize-at simulates the plan only for now: add --plan"),
         (["--plan", "--resize-at", "3"], "use it with --split samples"),
         ([*SAMPLES, "--resize-at", "35"], "--resize-at 35: every rank delivers 34 batches per epoch; use 0..34"),
         ([*SAMPLES, "--to-size", "2"], "give --resize-at too"),
@@ -86,3 +85,29 @@ def test_plan_at_scale_stays_arithmetic(capsys):
 def test_bad_resize_arguments_are_one_line(capsys, args, message):
     with pytest.raises(UserError, match=re.escape(message)):
         run_main(capsys, *args)
+
+
+@pytest.mark.parametrize("at", ["4", "11"])
+def test_real_mode_resumes_the_training_loader_and_counts_what_the_plan_counts(capsys, tmp_path, at):
+    """Real mode runs every old rank's loader for K batches and resumes the new layout's loaders
+    from their states, as the trainer does: the keys delivered across the resize cover the epoch
+    as the plan says here (the ranges differ: the real workers' shuffle buffers leave gaps; and
+    where a shuffle brings padding before the checkpoint, which the plan's model of the workers'
+    turns does not, the split of the duplicates between the two layouts differs)."""
+    common = [
+        "--split", "samples", "--nshards", "7", "--samples-per-shard", "9", "--size", "2", "--nworkers", "2",
+        "--batch-size", "3", "--resize-at", at, "--to-size", "3", "--to-nworkers", "1", "--cache", str(tmp_path),
+    ]  # fmt: skip
+    outs = []
+    for mode in (["--plan"], []):
+        code, out, _ = run_main(capsys, *mode, *common)
+        assert code == 0, out
+        outs.append(out)
+    coverage = [re.search(r"^coverage epoch 0 across the resize: .*$", out, re.M).group(0) for out in outs]
+    assert coverage[0] == coverage[1]
+    assert after(outs[0]) == after(outs[1])
+    if at == "4":
+        assert "69 samples delivered, 63 distinct of 63; duplicated 6 (9.5%), missing 0" in coverage[1]
+        assert after(outs[1]) == {0: 5, 1: 5, 2: 5}
+    else:
+        assert "nothing remains of the epoch: the new layout starts with the next one" in outs[1]

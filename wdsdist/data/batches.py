@@ -16,8 +16,10 @@ from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
 def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int = 0) -> dict[str, Any]:
     """A batch as it leaves the worker. Labels and ids stay lists (pickled inline: a small tensor
     would cost a shared-memory file of its own); ``finish_batches`` makes tensors of them."""
-    images, labels, ids, bad, keys = zip(*rows, strict=True)
-    batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad}
+    images, labels, ids, bad, keys, *rest = zip(*rows, strict=True)
+    skipped = rest[0] if rest else ((),) * len(rows)
+    # skipped: per row, the (epoch, seq) its worker skipped before it (bad or missing samples)
+    batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad, "skipped": skipped}
     ref = shared.fill(worker, list(images)) if shared is not None else None
     if ref is not None:
         batch["shared"] = ref
@@ -78,9 +80,19 @@ def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None) -> It
         else:
             images = [plain_copy(image) for image in batch.pop("image")]
         keys = batch.get("key") or [None] * len(images)
-        for image, label, id_, bad, key in zip(images, batch["label"], batch["id"], batch["bad"], keys, strict=True):
+        skips = batch.get("skipped") or [()] * len(images)
+        rows = zip(images, batch["label"], batch["id"], batch["bad"], keys, skips, strict=True)
+        for image, label, id_, bad, key, skipped in rows:
             pos = id_[3] if len(id_) > 3 else -1
-            yield {"image": image, "label": label, "id": tuple(id_[:3]), "pos": pos, "bad": bad, "key": key}
+            yield {
+                "image": image,
+                "label": label,
+                "id": tuple(id_[:3]),
+                "pos": pos,
+                "bad": bad,
+                "key": key,
+                "skipped": skipped,
+            }
 
 
 def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any]:
@@ -90,6 +102,7 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "label": torch.tensor([r["label"] for r in rows], dtype=torch.int64),
         "id": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
         "pos": torch.tensor([r["pos"] for r in rows], dtype=torch.int64),
+        "skipped": [r["skipped"] for r in rows],
     }
     batch["bad"], batch["bad_shards"] = bad_counts([r["bad"] for r in rows])
     if rows[0]["key"] is not None:

@@ -49,12 +49,13 @@ import webdataset as wds
 
 from wdsdist.data import jpegcrop, shardspec
 from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.elastic import SHARED, Resize, counts_digest, resize_state
 from wdsdist.data.index import count_samples
 from wdsdist.data.options import LoaderConfig, Split
-from wdsdist.data.resume import ConsumedTracker, ResumePoint
+from wdsdist.data.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
-from wdsdist.data.splits import Plan, plan, plan_samples, split_by_rank
+from wdsdist.data.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
 from wdsdist.data.stream import ShardStream
 from wdsdist.data.workers import worker_init
 from wdsdist.errors import UserError
@@ -97,12 +98,32 @@ class RankLoader:
                     print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
                 cfg = replace(cfg, decode_region=False)
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
-        point = ResumePoint.from_state(state["point"]) if state else None
-        if state and state.get("workers", cfg.workers) != cfg.workers:
+        self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
+        self.resize: Resize | None = None
+        if state and "resize" in state:
+            # Every old rank's state, from a checkpoint of another layout: re-split here, where
+            # the shards' counts are known (the same result on every rank).
+            if self.counts is None:
+                raise UserError(
+                    f"{state.get('checkpoint', 'the checkpoint')} was saved on another layout: only "
+                    f"loader.split=samples resumes on another layout"
+                )
+            state, self.resize = resize_state(
+                state["resize"], rank, world, cfg, self.counts, state.get("checkpoint", "the checkpoint")
+            )
+        elif state and state.get("workers", cfg.workers) != cfg.workers:
             raise UserError(
                 f"loader state was saved with {state['workers']} workers, now {cfg.workers}: "
-                f"resume with the same trainer.workers"
+                f"resume with the same trainer.workers (or, with loader.split=samples, from every rank's state)"
             )
+        if state and state.get("elastic") == SHARED:
+            raise ValueError("a loader state without its epoch's ranges: take it through elastic.rank_state")
+        point = ResumePoint.from_state(state["point"]) if state else None
+        # split=samples, epochs resumed on another layout: the positions of the epoch still to
+        # deliver (resume.py), re-split over this layout; other epochs are whole.
+        self.elastic: dict[int, Ranges] = {
+            int(e): tuple((int(a), int(b)) for a, b in r) for e, r in ((state or {}).get("elastic") or {}).items()
+        }
         self.tracker = ConsumedTracker(point.epoch if point else 0)
         if point is not None:
             self.tracker.load(point, int(state.get("batches", 0)))
@@ -112,7 +133,7 @@ class RankLoader:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
             # Region-decoded images come out H x W x C in memory: batches keep that layout.
             shared = SharedBatches(nw, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
-        self.dataset = ShardStream(shards, rank, world, cfg, point, shared)
+        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic)
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,
@@ -130,24 +151,37 @@ class RankLoader:
             loader = loader.batched(cfg.batch_size, collation_fn=collation, partial=cfg.partial)
         else:
             loader = loader.compose(functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory))
-        self.epoch_batches: int | None = None
+        self.plan_batches: int | None = None  # epoch mode: batches of a whole epoch (None: to the data's end)
         if cfg.mode == "epoch":
-            self.epoch_batches = plan_.ranks[rank].batches if plan_ is not None else None
+            self.plan_batches = plan_.ranks[rank].batches if plan_ is not None else None
         else:
             loader = loader.repeat()
         self.loader = loader
 
+    def batches_of(self, epoch: int) -> int | None:
+        """Epoch mode: the batches every rank delivers in ``epoch`` (an elastic epoch's own count)."""
+        if self.plan_batches is None or epoch not in self.elastic:
+            return self.plan_batches
+        cfg = self.cfg
+        batches = rank_batches(ranges_length(self.elastic[epoch]), self.world, cfg.batch_size, str(cfg.remainder))
+        return min(batches, self.plan.nbatches) if self.plan and self.plan.nbatches is not None else batches
+
+    @property
+    def epoch_batches(self) -> int | None:
+        """Epoch mode: the batches of the epoch under way (None: each pass runs to the data's end)."""
+        return self.batches_of(self.tracker.epoch)
+
     def __iter__(self) -> Iterator[dict]:
         if self.epoch_batches is None:
             for batch in self.loader:
-                self.tracker.update(batch["id"])
+                self.tracker.update(batch["id"], batch.get("skipped"))
                 yield batch
             return
         if self.tracker.batches >= self.epoch_batches:
             self.tracker = ConsumedTracker(self.tracker.epoch + 1)
         remaining = self.epoch_batches - self.tracker.batches
         for i, batch in enumerate(self.loader):
-            self.tracker.update(batch["id"])
+            self.tracker.update(batch["id"], batch.get("skipped"))
             yield batch
             if i + 1 >= remaining:
                 break
@@ -164,7 +198,7 @@ class RankLoader:
         batches = self.tracker.batches
         if self.epoch_batches is not None and batches >= self.epoch_batches:
             point, batches = ResumePoint(point.epoch + 1), 0
-        return {
+        state = {
             "point": point.state(),
             "batches": batches,
             "workers": self.cfg.workers,
@@ -177,6 +211,19 @@ class RankLoader:
             "shuffle_buffer": self.cfg.shuffle_buffer,
             "seed": self.cfg.seed,
         }
+        if self.counts is not None:
+            state["samples"], state["counts"] = sum(self.counts), counts_digest(self.counts)
+            # An epoch under way that was re-split on resume: a later resume (same layout or not)
+            # goes on from its positions, not the whole epoch's. In repeat mode an epoch stays
+            # until every worker has moved past it.
+            epochs = [e for e, _, _ in self.tracker.open.values()]
+            low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
+            elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
+            if elastic:
+                # The same on every rank, and as long as the shuffle buffers' pending items: one
+                # copy per checkpoint (elastic.rank_state puts it back in the others').
+                state["elastic"] = elastic if self.rank == 0 else SHARED
+        return state
 
 
 # ---------------------------------------------------------------- startup: plan and check

@@ -9,8 +9,8 @@ sequence (``batch["pos"]``: the shards in the epoch's seeded order, read as one 
 N on, the padding: position - N again). A same-layout resume stays the seq-based skip above
 (bit-exact: each worker's shuffled stream replays and drops what was consumed).
 
-Elastic resume (issue 14 item 4; the pure part is built: the functions at the end of this
-module; the loader and trainer do not call them yet):
+Elastic resume (the pure functions at the end of this module; elastic.py applies them to a
+checkpoint's loader states, and RankLoader and the trainer resume from the result):
   - state: per old worker, its span [a, b) of the interrupted epoch (splits.sample_span, from
     world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
     positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
@@ -18,8 +18,10 @@ module; the loader and trainer do not call them yet):
     never O(samples). The tracker can follow ``pos`` beside ``seq`` to keep them; today's
     seq-based state names them too, since the shuffle buffer's permutation depends only on
     its seed and the stream's length: replaying a worker's shuffle over its span's position
-    numbers maps seq to pos (tests/test_sample_split.py holds this), unless a shard failed
-    mid-span (then its samples are missing, which the resume must count as consumed).
+    numbers maps seq to pos (tests/test_sample_split.py holds this). A shard that fails mid-span
+    leaves a placeholder at each position it did not deliver (stream.FAILED), so the stream keeps
+    its length and its shuffle; placeholders and undecodable samples ride on the next row as
+    skipped seqs, which the tracker counts consumed.
   - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
     [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
     ranges and the scattered pending points). They are one shorter sequence of M samples, split
@@ -102,23 +104,30 @@ class ConsumedTracker:
         self.batches = batches
         self.open = {w: [e, s, set(k)] for w, eps in point.workers.items() for e, (s, k) in eps.items()}
 
-    def update(self, ids: torch.Tensor) -> None:
+    def update(self, ids: torch.Tensor, skipped: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+        """Count a batch consumed: its rows' ids, and per row the (epoch, seq) its worker skipped
+        before it (bad samples, positions of a failed shard), which are consumed too."""
         rows = ids.tolist()
         newest = max(e for e, _, _ in rows)
         if newest > self.epoch:
             self.epoch, self.batches = newest, 0
         self.batches += 1
-        for epoch, worker, seq in rows:
-            entry = self.open.get(worker)
-            if entry is None or epoch > entry[0]:
-                entry = self.open[worker] = [epoch, 0, set()]
-            elif epoch < entry[0]:
-                continue  # an epoch this worker has left behind
-            seen = entry[2]
-            seen.add(seq)
-            while entry[1] in seen:
-                seen.discard(entry[1])
-                entry[1] += 1
+        for i, (epoch, worker, seq) in enumerate(rows):
+            for before, skipped_seq in skipped[i] if skipped else ():
+                self._consume(before, worker, skipped_seq)
+            self._consume(epoch, worker, seq)
+
+    def _consume(self, epoch: int, worker: int, seq: int) -> None:
+        entry = self.open.get(worker)
+        if entry is None or epoch > entry[0]:
+            entry = self.open[worker] = [epoch, 0, set()]
+        elif epoch < entry[0]:
+            return  # an epoch this worker has left behind
+        seen = entry[2]
+        seen.add(seq)
+        while entry[1] in seen:
+            seen.discard(entry[1])
+            entry[1] += 1
 
     def point(self) -> ResumePoint:
         workers = {w: {e: (s, frozenset(k))} for w, (e, s, k) in self.open.items()}
@@ -211,7 +220,15 @@ class WorkerProgress:
     beyond: frozenset[int] = frozenset()
 
     def consumed(self) -> list[tuple[int, int]]:
-        return [(self.start, self.done)] + [(p, p + 1) for p in self.beyond if not self.start <= p < self.done]
+        # Runs of consecutive points as one range: behind a shuffle buffer's oldest pending item
+        # most positions are consumed, so thousands of points make few ranges.
+        out = [(self.start, self.done)]
+        for p in sorted(p for p in self.beyond if not self.start <= p < self.done):
+            if out[-1][1] == p:
+                out[-1] = (out[-1][0], p + 1)
+            else:
+                out.append((p, p + 1))
+        return out
 
 
 def remaining_after(ranges: Ranges, progress: Iterable[WorkerProgress]) -> Ranges:
@@ -278,16 +295,17 @@ def saved_progress(
     nworkers: int,
     batch_size: int,
     remainder: str,
-    order: Callable[[int, int, int], Sequence[int]] | None = None,
+    order: Callable[[int, int, int], Iterable[int]] | None = None,
 ) -> list[WorkerProgress]:
     """Every old worker's progress through ``epoch`` (whose sequence was ``ranges``), in virtual
     positions, from the old ranks' saved points (one per rank, in rank order) on the layout
     they were saved with. A worker reads its span's positions in order, but its seq numbers
     count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
-    seq (stream.shuffled_offsets replays the shuffle; None: no shuffle). That holds while no
-    shard of the span failed to read (a failed shard shifts what follows: the tracker should
-    follow ``pos`` instead). A worker with no entry for ``epoch`` delivered nothing of it, or
-    all of it if it is past it. Replaying costs O(span) time, transiently; the result is small."""
+    seq, in seq order (stream.iter_shuffled_offsets replays the shuffle; None: no shuffle); a
+    failed shard keeps its positions in the stream as placeholders, so that holds with bad data
+    too. A worker with no entry for ``epoch`` delivered nothing of it, or all of it if it is
+    past it. Replaying costs O(span) time, transiently, up to the last seq consumed; the result
+    is small."""
     world = len(points)
     batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
     out = []
@@ -297,11 +315,12 @@ def saved_progress(
             epochs = point.workers.get(worker, {})
             if epoch in epochs:
                 done, beyond = epochs[epoch]
-                offsets = order(rank, worker, stop - start) if order is not None else None
-                if offsets is None:
+                if order is None:
                     out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond)))
                     continue
-                taken = sorted([offsets[s] for s in range(done)] + [offsets[s] for s in beyond])
+                # The replay runs only as far as the last seq consumed (half the cost mid-epoch).
+                offsets = list(itertools.islice(order(rank, worker, stop - start), max([done - 1, *beyond]) + 1))
+                taken = sorted(offsets[:done] + [offsets[s] for s in beyond])
                 prefix = 0
                 while prefix < len(taken) and taken[prefix] == prefix:
                     prefix += 1

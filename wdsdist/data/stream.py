@@ -4,8 +4,9 @@ every epoch, read, shuffled, decoded and batched (the first half of pipeline.py'
 With loader.split=samples a worker reads its span of the epoch's sample sequence instead
 (splits.sample_span over the shards in the epoch's order), starting and stopping mid-shard
 through spanread.read_span. Every sample's id then carries its position in that sequence
-(positions from N on are the padding: sample position - N again), which is what an elastic
-resume needs (see resume.py).
+(``batch["pos"]``: the sample is position mod N; from N on it is padding, a sample again). In an
+epoch re-split by an elastic resume (resume.py, elastic.py) the worker's span is of the epoch's
+remaining positions, and positions stay the epoch's own: real ones, plus N for padding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from wdsdist.data.batches import collate
 from wdsdist.data.decode import decode_sample, make_transform
 from wdsdist.data.jpegcrop import crop_decoder
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.resume import ResumePoint
+from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
@@ -35,6 +36,10 @@ from wdsdist.errors import DataError
 
 T = TypeVar("T")
 POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
+# split=samples: a position of the span that no sample came for (its shard failed or came short).
+# It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
+# resume replays (stream.shuffled_offsets); it is never decoded, and counts as skipped.
+FAILED = "__failed__"
 
 
 def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> list[T]:
@@ -53,10 +58,15 @@ def shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, leng
     """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, by
     replaying its shuffle buffer over the offsets (its permutation depends on the seed and the
     length only). What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
+    return list(iter_shuffled_offsets(cfg, rank, worker, epoch, length))
+
+
+def iter_shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> Iterator[int]:
+    """shuffled_offsets, lazily: a resume needs them only up to the last seq consumed."""
     if cfg.shuffle_buffer <= 0:
-        return list(range(length))
+        return iter(range(length))
     rng = random.Random(f"{cfg.seed}:{epoch}:{rank}:{worker}:0:samples")
-    return list(wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length))))
+    return wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length)))
 
 
 class ShardStream(IterableDataset):
@@ -70,6 +80,7 @@ class ShardStream(IterableDataset):
         cfg: LoaderConfig,
         resume: ResumePoint | None = None,
         shared: SharedBatches | None = None,
+        elastic: dict[int, Ranges] | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -80,6 +91,7 @@ class ShardStream(IterableDataset):
             raise DataError(f"loader.split=samples needs every shard's sample count, and {first} has none")
         self.resume = resume
         self.shared = shared  # used in DataLoader workers only
+        self.elastic = elastic or {}  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
         self.epoch = -1  # the last epoch begun, in each worker
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
@@ -96,20 +108,52 @@ class ShardStream(IterableDataset):
 
     def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
         """split=samples: the raw samples of this worker's span of the epoch's sample sequence,
-        each marked with its position in it."""
+        each marked with its position in it; a position the read did not deliver (the shard
+        failed, or held fewer samples than its count) comes as a FAILED placeholder."""
         cfg, shards = self.cfg, self.all_shards
         order = shard_order(range(len(shards)), cfg.seed, epoch, 1)
         cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
-        batches = rank_batches(cumulative[-1], self.world, cfg.batch_size, cfg.remainder)
-        start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
-        for slot, first, last, position in span_pieces(cumulative, start, stop):
+        for slot, first, last, position in self._pieces(cumulative, worker, nworkers, epoch):
             shard = shards[order[slot]]
-            read = functools.partial(
-                read_span, shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes
-            )
-            for i, sample in enumerate(self._read_guarded(shard.url, read, worker, bad)):
-                sample[POSITION] = position + i
+            got, read = 0, functools.partial(self._read_piece, shard, first, last)
+            for sample in self._read_guarded(shard.url, read, worker, bad):
+                sample[POSITION] = position + got
+                got += 1
                 yield sample
+            for i in range(got, last - first):
+                yield {POSITION: position + i, FAILED: True}
+
+    def _pieces(
+        self, cumulative: list[int], worker: int, nworkers: int, epoch: int
+    ) -> Iterable[tuple[int, int, int, int]]:
+        """(slot, first, stop, position of the first) pieces of this worker's span. A position is
+        the sample's in the epoch's sequence, plus N where it is padding (a sample again); in an
+        epoch re-split on resume (``self.elastic``), the span is of its remaining positions."""
+        cfg, total = self.cfg, cumulative[-1]
+        ranges = self.elastic.get(epoch)
+        if ranges is None:
+            batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
+            start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
+            return span_pieces(cumulative, start, stop)
+        remaining = ranges_length(ranges)
+        _, pieces = resplit_pieces(
+            ranges, cumulative, self.rank, self.world, worker, nworkers, cfg.batch_size, str(cfg.remainder)
+        )
+        # A piece never straddles the remaining sequence's end (virtual_to_real cuts there).
+        return [
+            (slot, first, last, cumulative[slot] + first + (total if v >= remaining else 0))
+            for slot, first, last, v in pieces
+        ]
+
+    def _read_piece(self, shard: Shard, first: int, last: int) -> Iterator[dict]:
+        """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""
+        cfg = self.cfg
+        got = 0
+        for sample in read_span(shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes):
+            got += 1
+            yield sample
+        if got < last - first:
+            raise DataError(f"it ends at sample {first + got}, and its count says {shard.nsamples} (a stale index?)")
 
     def _samples(self, worker: int, nworkers: int, epoch: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples, shuffled within each pass: with dsrepeat, a worker shows every sample
@@ -188,17 +232,26 @@ class ShardStream(IterableDataset):
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(self, worker: int, nworkers: int, skips: dict, decode: Callable) -> Iterator[tuple]:
-        """(image, label, id, skips before it, key) rows, epoch after epoch; the samples a resumed
-        worker had delivered (``skips``) are passed over before decoding."""
+        """(image, label, id, skips before it, key, seqs skipped before it) rows, epoch after epoch;
+        the samples a resumed worker had delivered (``skips``) are passed over before decoding.
+
+        A sample that fails to decode and a FAILED placeholder are skipped, and their (epoch, seq)
+        ride on the next row, so the tracker counts them consumed: a hole would otherwise stop
+        the worker's consumed prefix there and every later seq would pile into its skip set."""
         cfg = self.cfg
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
+        skipped: list[tuple[int, int]] = []  # (epoch, seq) skipped since the last row
         while True:
             self.epoch += 1
             epoch = self.epoch
             start, skip = skips.get(epoch, (0, frozenset()))
-            produced = 0
+            produced = seen = 0
             for seq, sample in enumerate(self._samples(worker, nworkers, epoch, bad)):
                 if seq < start or seq in skip:
+                    continue
+                seen += 1
+                if FAILED in sample:  # its shard's failure is counted and warned about already
+                    skipped.append((epoch, seq))
                     continue
                 try:
                     image, label = decode(sample)
@@ -207,12 +260,16 @@ class ShardStream(IterableDataset):
                         raise
                     warn_skip(error)
                     bad[0] += 1
+                    skipped.append((epoch, seq))
                     continue
                 key = sample["__key__"] if cfg.with_keys else None
-                yield image, label, (epoch, worker, seq, sample.get(POSITION, -1)), tuple(bad), key
+                ids = (epoch, worker, seq, sample.get(POSITION, -1))
+                yield image, label, ids, tuple(bad), key, tuple(skipped)
                 bad[:] = [0, 0]
+                skipped = []
                 produced += 1
-            if not produced and start == 0 and not skip:
+            # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
+            if not produced and start == 0 and not skip and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.
                 raise DataError(
                     f"rank {self.rank} worker {worker} read no sample from its shards "

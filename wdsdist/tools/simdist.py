@@ -42,7 +42,7 @@ from wdsdist.tools.simdist_layouts import (
     write_synthetic_shards,
 )
 from wdsdist.tools.simdist_plot import plot
-from wdsdist.tools.simdist_resize import Resize, resize_lines, resize_verdict, simulate_resize
+from wdsdist.tools.simdist_resize import Resize, resize_lines, resize_verdict, simulate_resize, simulate_resize_real
 from wdsdist.tools.simdist_simulate import (
     Coverage,
     RankEpoch,
@@ -106,6 +106,7 @@ __all__ = [
     "simulate_plan",
     "simulate_real",
     "simulate_resize",
+    "simulate_resize_real",
     "spec_layout",
     "split_lines",
     "synthetic_layout",

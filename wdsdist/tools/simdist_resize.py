@@ -1,16 +1,25 @@
 """simdist --resize-at K --to-size S2 --to-nworkers W2: a checkpoint after K batches of an epoch
-and an elastic resume on another layout, planned (split=samples, plan mode).
+and an elastic resume on another layout (split=samples), planned or run for real.
 
 The old layout's ranks each consumed K batches, their workers in the DataLoader's turns
 (resume.round_robin_progress); the epoch's remaining positions (resume.remaining_after) are
 re-split over the new layout by the loader's own rule (resume.virtual_to_real over
 splits.sample_span), and the coverage over the whole epoch is counted on ranges of positions,
 so 100,000 shards x 1,024 ranks stay arithmetic.
+
+Real mode runs the training loader itself: every old rank's loader for K batches, its
+``state_dict`` as a checkpoint holds it, then every new rank's loader resumed from all of them
+(elastic.resize_state, what the trainer does), and counts the keys delivered across the resize.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import gc
+import itertools
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, replace
 
 from wdsdist.data.resume import (
     merge_ranges,
@@ -21,9 +30,11 @@ from wdsdist.data.resume import (
     virtual_to_real,
     whole_epoch,
 )
+from wdsdist.data.shardspec import Access
 from wdsdist.data.splits import rank_batches, sample_span
 from wdsdist.errors import UserError
-from wdsdist.tools.simdist_simulate import RankEpoch, Simulation
+from wdsdist.tools.simdist_layouts import IMAGE_SIZE
+from wdsdist.tools.simdist_simulate import RankEpoch, Simulation, counted_shards, real_config
 from wdsdist.tools.simdist_text import percent, rank_lines
 
 
@@ -49,8 +60,8 @@ class Resize:
         return self.delivered - self.unique
 
 
-def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resize:
-    settings, p = sim.settings, sim.plan
+def _check(sim: Simulation, at: int) -> None:
+    p = sim.plan
     if p.split != "samples":
         raise UserError("--resize-at re-splits an epoch's remaining samples: use it with --split samples")
     if sim.cut is not None:
@@ -58,6 +69,11 @@ def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resiz
     batches = p.ranks[0].batches
     if not 0 <= at <= batches:
         raise UserError(f"--resize-at {at}: every rank delivers {batches} batches per epoch; use 0..{batches}")
+
+
+def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resize:
+    _check(sim, at)
+    settings, p = sim.settings, sim.plan
     bs, remainder, old_workers = settings.batch_size, settings.remainder, max(settings.nworkers, 1)
     workers = max(nworkers, 1)
     epoch = whole_epoch(p.total_samples)
@@ -87,6 +103,64 @@ def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resiz
         total=p.total_samples,
         delivered=consumed + size * per_rank * bs,
         unique=unique,
+    )
+
+
+def simulate_resize_real(
+    sim: Simulation, at: int, size: int, nworkers: int, *, access: Access | None = None, image_size: int = IMAGE_SIZE
+) -> Resize:
+    """The resize with the training loader: old ranks' loaders for ``at`` batches, then the new
+    layout's loaders resumed from their states, one rank after another; coverage by keys."""
+    from wdsdist.data.pipeline import RankLoader, check_layout
+    from wdsdist.errors import DataError
+
+    _check(sim, at)
+    counted = counted_shards(sim)
+    config = real_config(sim, image_size=image_size, access=access)
+    keys: Counter[str] = Counter()
+    states = []
+    new_config = replace(config, workers=nworkers)
+    new_plan = check_layout(counted, size, new_config)  # a new layout too small for its workers is refused
+    after, ranges, remaining = [], 0, 0
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            for rank in range(sim.settings.size):
+                loader = RankLoader(counted, rank, sim.settings.size, config, None, sim.plan)
+                keys.update(k for batch in itertools.islice(iter(loader), at) for k in batch["key"])
+                states.append(loader.state_dict())
+                del loader
+                gc.collect()  # this rank's workers end before the next rank's start
+            consumed = sum(keys.values())
+            for rank in range(size):
+                state = {"resize": states, "checkpoint": "the checkpoint"}
+                loader = RankLoader(counted, rank, size, new_config, state, new_plan)
+                resize = loader.resize
+                if resize is None or resize.start != 0:  # the epoch's end: nothing of it remains
+                    after.append(RankEpoch({}))
+                    continue
+                ranges = len(loader.elastic.get(0, whole_epoch(sim.layout.total)))
+                remaining = resize.remaining if resize.epochs else sim.layout.total
+                sizes: Counter[int] = Counter()
+                for batch in loader:
+                    keys.update(batch["key"])
+                    sizes[len(batch["key"])] += 1
+                after.append(RankEpoch(dict(sizes)))
+                del loader
+                gc.collect()
+    except DataError as exc:
+        raise UserError(re.sub(r"^[\w.]*DataError: ", "", str(exc).strip().splitlines()[-1])) from None
+    return Resize(
+        at=at,
+        size=size,
+        nworkers=max(nworkers, 1),
+        consumed=consumed,
+        remaining=remaining,
+        ranges=ranges,
+        after=after,
+        total=sim.layout.total,
+        delivered=sum(keys.values()),
+        unique=len(keys),
     )
 
 

@@ -8,12 +8,17 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from wdsdist.data.options import parse_nbatches
 from wdsdist.data.shardspec import Access
 from wdsdist.data.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
 from wdsdist.errors import UserError
 from wdsdist.tools.simdist_layouts import IMAGE_SIZE, Layout
+
+if TYPE_CHECKING:
+    from wdsdist.data.options import LoaderConfig
+    from wdsdist.data.shardspec import Shard
 
 
 @dataclass(frozen=True)
@@ -233,19 +238,14 @@ class RealRun:
     coverage: list[Coverage]  # per epoch
 
 
-def simulate_real(
+def real_config(
     sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE, access: Access | None = None
-) -> RealRun:
-    """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
-    access = access or Access()
+) -> LoaderConfig:
+    """The training loader's config for real mode (a LoaderConfig), keys carried for the coverage."""
     from wdsdist.data.options import LoaderConfig
-    from wdsdist.data.pipeline import RankLoader
-    from wdsdist.errors import DataError
 
-    settings, shards = sim.settings, sim.layout.shards
-    if shards is None:
-        raise UserError("real mode needs shards: give --shards, or let simdist write synthetic ones")
-    config = LoaderConfig(
+    settings, access = sim.settings, access or Access()
+    return LoaderConfig(
         batch_size=settings.batch_size,
         workers=settings.nworkers,
         mode="epoch",
@@ -263,6 +263,28 @@ def simulate_real(
         allow_pipe=access.allow_pipe,
         trust_index=access.trust_index,
     )
+
+
+def counted_shards(sim: Simulation) -> list[Shard]:
+    """The layout's shards with their sample counts (real mode needs shards)."""
+    shards = sim.layout.shards
+    if shards is None:
+        raise UserError("real mode needs shards: give --shards, or let simdist write synthetic ones")
+    return [
+        s if s.nsamples is not None else replace(s, nsamples=n) for s, n in zip(shards, sim.layout.counts, strict=True)
+    ]
+
+
+def simulate_real(
+    sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE, access: Access | None = None
+) -> RealRun:
+    """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
+    from wdsdist.data.pipeline import RankLoader
+    from wdsdist.errors import DataError
+
+    settings = sim.settings
+    counted = counted_shards(sim)
+    config = real_config(sim, showopen=showopen, image_size=image_size, access=access)
     epochs: list[list[RankEpoch]] = [[] for _ in range(settings.nepochs)]
     keys: list[Counter[str]] = [Counter() for _ in range(settings.nepochs)]
     with warnings.catch_warnings():
@@ -274,10 +296,6 @@ def simulate_real(
                 for results in epochs:
                     results.append(RankEpoch({}, why))
                 continue
-            counted = [
-                s if s.nsamples is not None else replace(s, nsamples=n)
-                for s, n in zip(shards, sim.layout.counts, strict=True)
-            ]
             # No plan: each pass runs to the data's end (split=samples: the end of the rank's span).
             loader = RankLoader(counted, rank, settings.size, config, None, None)
             try:

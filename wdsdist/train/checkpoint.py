@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from wdsdist.data.elastic import rank_state
+from wdsdist.data.options import Split, default_split
 from wdsdist.data.pipeline import RankLoader
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
@@ -359,14 +361,26 @@ def restore(ckpt: dict, path: str, dist: Dist, cfg: DictConfig, model: nn.Module
 
 
 def loader_state_for(ckpt: dict, path: str, dist: Dist, cfg: DictConfig) -> dict | None:
-    """This rank's saved loader position, or None (with a warning) when the layout changed in a
-    mode that can start a fresh stream; epoch mode refuses, since its epochs would not add up."""
+    """This rank's saved loader position; on another layout with loader.split=samples, every rank's
+    (the loader re-splits the epochs in flight over this layout: data/elastic.py); or None (with a
+    warning) when the layout changed in a mode that starts a fresh stream (split=shards in repeat
+    mode, resampled mode). Epoch mode with split=shards refuses: its epochs would not add up."""
     same = ckpt["world"] == dist.world and ckpt["workers"] == cfg.trainer.workers
     if same:
-        return ckpt["loader"][dist.rank]
+        return rank_state(ckpt["loader"], dist.rank)
     what = f"{ckpt['world']} ranks x {ckpt['workers']} workers, now {dist.world} x {cfg.trainer.workers}"
+    samples = (cfg.loader.split or default_split(cfg.loader.mode, cfg.loader.dsrepeat)) == Split.samples
+    if samples and cfg.loader.mode != LoaderMode.resampled:
+        return {"resize": ckpt["loader"], "checkpoint": path}
     if cfg.loader.mode == LoaderMode.epoch:
-        raise UserError(f"{path} was saved with {what}: loader.mode=epoch resumes only with the same ranks and workers")
+        raise UserError(
+            f"{path} was saved with {what}: loader.mode=epoch resumes on another layout only with "
+            f"loader.split=samples (with split=shards: the same ranks and workers)"
+        )
     if dist.is_main:
-        print(f"warning: {path} was saved with {what}: the loader starts a fresh, reseeded stream", file=sys.stderr)
+        print(
+            f"warning: {path} was saved with {what}: the loader starts a fresh, reseeded stream "
+            f"(loader.split=samples would resume it exactly)",
+            file=sys.stderr,
+        )
     return None

@@ -196,3 +196,14 @@ def stall_for_test(rank: int, steps: int) -> None:
         steps + 1
     ):
         threading.Event().wait()
+
+
+def trace_for_test(rank: int, step: int, batch: dict) -> None:
+    """TEST HOOK: WDSDIST_TEST_TRACE=DIR makes each rank append, per step it trains, the step, the
+    batch's epoch and its samples' positions (split=samples) to DIR/rank-R.txt, so a test can
+    check which samples a run delivered (tests/test_train_elastic.py)."""
+    where = os.environ.get("WDSDIST_TEST_TRACE")
+    if where:
+        epochs = sorted(set(batch["id"][:, 0].tolist()))
+        with open(os.path.join(where, f"rank-{rank}.txt"), "a", encoding="utf-8") as f:
+            f.write(f"{step} {','.join(map(str, epochs))} {','.join(map(str, batch['pos'].tolist()))}\n")

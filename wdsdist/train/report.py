@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -223,15 +223,27 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         report.line(run.on_device.amp_note)
     if cfg.trainer.resume == "auto" and run.resume_path is None:
         report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
+    resize = run.feed.loader.resize
+    if resize is not None:  # an elastic resume: what became of the interrupted epoch
+        report.line(f"{resize.line()}; {run.steps} steps in all now (the learning rate schedule follows them)")
     plan = run.feed.loader.plan
     if plan is not None and plan.split == "samples":
         report.line(plan_line(plan), console=False)
         # The padding (or drop) is the same every epoch; one point per epoch, so it sits beside the curves.
         per_epoch = plan.batches[0]
-        for epoch in range(run.start // per_epoch if per_epoch else 0, -(-run.steps // per_epoch) if per_epoch else 0):
-            report.scalars(
-                epoch * per_epoch, {"data/padded_samples": plan.padded, "data/dropped_samples": plan.dropped}
-            )
+        starts: Iterable[int] = ()
+        if resize is not None and per_epoch:
+            # A re-split epoch has its own padding (or drop), and the whole ones start after it.
+            step = run.start
+            for _, remaining, batches in resize.epochs:
+                rest = batches * resize.world * resize.batch_size - remaining
+                report.scalars(step, {"data/padded_samples": max(rest, 0), "data/dropped_samples": max(-rest, 0)})
+                step += batches
+            starts = range(step, run.steps, per_epoch)
+        elif per_epoch:
+            starts = (epoch * per_epoch for epoch in range(run.start // per_epoch, -(-run.steps // per_epoch)))
+        for step in starts:
+            report.scalars(step, {"data/padded_samples": plan.padded, "data/dropped_samples": plan.dropped})
     elif plan is not None:
         report.line(
             f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "

@@ -144,6 +144,19 @@ def build_loaders(cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: s
     return train_loader, eval_loader
 
 
+def epoch_steps(loader: RankLoader, epochs: int, done: int) -> int:
+    """trainer.epochs as steps: the steps done, the rest of the epoch under way, and whole epochs
+    to ``epochs``. After an elastic resume the epoch under way has its own length (the remaining
+    samples re-split) and the later ones the new layout's, so the total differs from the first
+    run's; the learning rate schedule follows the new total (lr_at reads it every step)."""
+    epoch, consumed = loader.tracker.epoch, loader.tracker.batches
+    if consumed >= (loader.epoch_batches or 0):
+        epoch, consumed = epoch + 1, 0
+    if epoch >= epochs:
+        return done
+    return done + (loader.batches_of(epoch) or 0) - consumed + (epochs - epoch - 1) * (loader.plan_batches or 0)
+
+
 @dataclass
 class Run:
     """What ``setup()`` builds and the loop uses: one rank's part of a training run."""
@@ -183,11 +196,11 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     opt = build_optimizer(cfg, model, base_lr)
     resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir)
     train_loader, eval_loader = build_loaders(cfg, dist, ckpt, resume_path)
-    steps = cfg.trainer.steps if cfg.trainer.epochs is None else cfg.trainer.epochs * train_loader.epoch_batches
     start = 0
     if ckpt is not None:
         start = on_all_ranks(lambda: restore(ckpt, resume_path, dist, cfg, model, opt))
         del ckpt
+    steps = cfg.trainer.steps if cfg.trainer.epochs is None else epoch_steps(train_loader, cfg.trainer.epochs, start)
     ddp_model = wrap_ddp(model, dist)
     on_device = OnDevice(cfg, dist)
     report = Reporter(dist, run_dir, steps, start)
@@ -257,6 +270,7 @@ def train_loop(run: Run) -> int:
         window.add_batch(batch)
         run.report.first_images(batch["image"], step)
         loss, logits, labels = train_step(run, batch, step)
+        faults.trace_for_test(run.dist.rank, step, batch)
         step += 1
         run.report.tick(step)
         window.add_step(loss, logits, labels, wait)
