@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
-ImageFolder, and the decode limit. Run with ``./run bench.py`` (see --help).
+ImageFolder, the decode limit and, with --peers, the other streaming loaders (MosaicML
+Streaming, LitData, DALI on the CPU, FFCV, wids). Run with ``./run bench.py`` (see --help).
 
 The limit (d) is torchvision's whole decode + RandomResizedCrop + flip in a loop, no loader:
 what every loader decoding whole images can reach. Ours decodes only the crop's region
@@ -10,9 +11,14 @@ per-sample work in a loop: (a)/(e) is what the loader keeps of its workers' core
 Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
 process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
 Contenders run in rounds (--repeat), interleaved, and the table gives each one's median round,
-so a slow minute of a shared machine does not land on one contender only. Data: ImageNet-like
-JPEGs (500x375, quality 90, about 90 KB), written once as shards and as an ImageFolder tree.
-Work: RandomResizedCrop(224) + horizontal flip, batches of 64, W DataLoader workers.
+so a slow minute of a shared machine does not land on one contender only. Data (--dataset):
+``noise``, ImageNet-like JPEGs of textured noise (500x375, quality 90, about 90 KB), and
+``photos``, crops of the photographs inside scikit-learn's and scikit-image's wheels (shorter
+side 300-500, mixed aspect ratios, quality 75-95; bench/photos.py), each written once as shards
+and as an ImageFolder tree. The peers run in .bench-venv/ (bench/requirements-peers.txt, made
+here when missing or when that file changes; bench/peervenv.py), each converting the images to
+its own format once (cached under the data set's folder, peers/NAME/). Work: RandomResizedCrop
+(224) + horizontal flip, uint8 batches of 64, W workers.
 """
 # Above the size guide on purpose: one script a user runs and reads, every contender's row side by side
 # with the same timing and memory code.
@@ -25,6 +31,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import peervenv  # noqa: E402  (bench/, beside this file)
 
 NCLASSES = 10
 CONTENDERS = (
@@ -46,6 +55,9 @@ CONTENDERS = (
     "side-by-side",
     "ours-work",
 )
+PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (bench/peers.py)
+DATASETS = ("noise", "photos")
+SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95"}
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
     "ours-samples": "(a*) ours, loader.split=samples",
@@ -56,6 +68,11 @@ LABELS = {
     "limit": "(d) limit: W x single-core decode+crop+flip",
     "side-by-side": "(d') W such loops at once, summed",
     "ours-work": "(e) W x single-core region decode+crop+flip",
+    "streaming": "(f) MosaicML Streaming: MDS + StreamingDataset",
+    "litdata": "(g) LitData: optimize + StreamingDataLoader",
+    "dali": "(h) DALI, CPU: readers.webdataset + decoders",
+    "ffcv": "(i) FFCV: .beton + RandomResizedCropRGBDecoder",
+    "wids": "(j) wids: ShardListDataset + ChunkedSampler",
 }
 
 
@@ -76,28 +93,47 @@ def photo(i: int, w: int = 500, h: int = 375, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def prepare(data: Path, n: int) -> dict:
+def data_folder(args: argparse.Namespace, dataset: str) -> Path:
+    """noise in --data itself (where it always was), photos in --data/photos."""
+    return Path(args.data) if dataset == "noise" else Path(args.data) / "photos"
+
+
+def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
+    marker = data / f"ready-{n}.json"
+    if marker.exists():  # (a marker of an older bench.py lacks dataset and size)
+        return {"dataset": dataset, "size": SIZES[dataset]} | json.loads(marker.read_text())
     from tqdm import tqdm
 
     from wdsdist.data.index import index_path
     from wdsdist.tools.shards import Sample, ShardSink
 
-    marker = data / f"ready-{n}.json"
-    if marker.exists():
-        return json.loads(marker.read_text())
+    if dataset == "photos":
+        # The photographs come from packages installed only in .bench-venv.
+        print(f"writing {n} photo crops to {data / 'tree'} (in .bench-venv)", file=sys.stderr, flush=True)
+        tree = data / "tree"
+        if tree.exists():
+            shutil.rmtree(tree)  # an earlier run that did not finish
+        subprocess.run([str(peervenv.python()), str(ROOT / "bench" / "photos.py"), str(tree), str(n)], check=True)
+        files = sorted(tree.glob("class*/*.jpg"), key=lambda p: p.name)
+        images = ((int(p.parent.name[5:]), p.read_bytes()) for p in files)
+    else:
+        images = ((i % NCLASSES, photo(i)) for i in range(n))
     total = 0
     with ShardSink(str(data / "shards"), "bench", maxcount=250, maxsize=1 << 30) as sink:
-        for i in tqdm(range(n), desc="bench data", unit="img", mininterval=1.0):
-            jpg, label = photo(i), i % NCLASSES
+        for i, (label, jpg) in enumerate(
+            tqdm(images, total=n, desc=f"bench data ({dataset})", unit="img", mininterval=1.0)
+        ):
             total += len(jpg)
-            folder = data / "tree" / f"class{label:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+            if dataset == "noise":
+                folder = data / "tree" / f"class{label:02d}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"img{i:06d}.jpg").write_bytes(jpg)
             sink.write(Sample(f"img{i:06d}", "jpg", jpg, label, {}))
         sink.commit()
     index = index_path(str(data / "shards"), "bench")
     info = {"images": n, "mean_kb": round(total / n / 1024, 1), "index": index, "tree": str(data / "tree")}
+    info |= {"dataset": dataset, "size": SIZES[dataset]}
     marker.write_text(json.dumps(info))
     return info
 
@@ -258,6 +294,14 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     return result
 
 
+def batch_shape(batch) -> str:
+    """The first batch's images, as "64x3x224x224 uint8": that every contender does the same work."""
+    if isinstance(batch, list) and batch and isinstance(batch[0], dict):
+        batch = batch[0]  # DALI's iterator: one dict per pipeline
+    images = batch["image"] if isinstance(batch, dict) else batch[0]
+    return "x".join(map(str, images.shape)) + " " + str(images.dtype).removeprefix("torch.")
+
+
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name in ("limit", "ours-work"):
         r = limit_rate(info, limit_seconds, region=name == "ours-work")
@@ -276,7 +320,12 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         return {"samples_per_s": sum(rates), "per_process": rates}
     with TreeMemory() as mem:
         start = time.perf_counter()
-        loader = loader_for(name, info, workers, batch)
+        if name in PEERS:
+            import peers
+
+            loader = peers.loader_for(name, info, workers, batch)
+        else:
+            loader = loader_for(name, info, workers, batch)
         first = timed_from = None
         n = 0
         # Each loader is used as a trainer uses it: ours epochless, the others epoch after epoch
@@ -284,9 +333,10 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         # are not timed.
         while n < warmup + batches:
             it = iter(loader)  # held until the PSS is read: a loader's workers live as long as it
-            for _ in it:
+            for got in it:
                 if first is None:
                     first = time.perf_counter()
+                    shape = batch_shape(got)
                 n += 1
                 if n == warmup:
                     timed_from = time.perf_counter()
@@ -297,6 +347,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
+        "batch": shape,
         "timed_batches": batches,
         "peak_rss_mb": mem.peak_rss / 2**20,
         "pss_mb": pss / 2**20,
@@ -306,15 +357,18 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
 # ---------------------------------------------------------------- the report
 
 
-def run_contender(name: str, args: argparse.Namespace) -> dict | None:
-    """One contender in a fresh subprocess; None (its stderr printed) if it failed."""
-    cmd = [sys.executable, __file__, "--run", name, "--images", str(args.images), "--workers", str(args.workers)]
-    cmd += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--batches", str(args.batches)]
-    cmd += ["--limit-seconds", str(args.limit_seconds), "--data", args.data]
+def run_contender(name: str, dataset: str, args: argparse.Namespace) -> dict:
+    """One contender in a fresh subprocess (the peers in .bench-venv's Python); on failure
+    ``{"error": its last line of stderr}``, the whole stderr printed."""
+    python = str(peervenv.python()) if name in PEERS else sys.executable
+    cmd = [python, __file__, "--run", name, "--set", dataset, "--images", str(args.images)]
+    cmd += ["--workers", str(args.workers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
+    cmd += ["--batches", str(args.batches), "--limit-seconds", str(args.limit_seconds), "--data", args.data]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)
-        return None
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+        return {"error": lines[-1] if lines else f"exit status {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -328,60 +382,109 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--limit-seconds", type=float, default=10.0, help="how long to time the decode limit")
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
-    p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
+    p.add_argument("--only", nargs="*", choices=CONTENDERS + PEERS, help="run only these contenders")
     p.add_argument("--repeat", type=int, default=5, help="rounds over all contenders (default: %(default)s)")
-    p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also the peer loaders (streaming, litdata, dali, ffcv, wids), in .bench-venv/, made here if needed",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=(*DATASETS, "both"),
+        default="noise",
+        help="noise: textured noise; photos: crops of packaged photographs (needs .bench-venv); default %(default)s",
+    )
+    p.add_argument("--run", choices=CONTENDERS + PEERS, help=argparse.SUPPRESS)  # internal: one contender
+    p.add_argument("--set", choices=DATASETS, default="noise", help=argparse.SUPPRESS)  # internal: its data set
+    p.add_argument("--convert", choices=PEERS, help=argparse.SUPPRESS)  # internal: one peer's format, once
     return p.parse_args()
 
 
-def run_rounds(names: list[str], args: argparse.Namespace) -> dict[str, list[dict]] | None:
-    """Every contender once per round, interleaved; None if one failed."""
-    rounds: dict[str, list[dict]] = {name: [] for name in names}
+def run_rounds(
+    names: list[str], datasets: list[str], args: argparse.Namespace, conversions: dict[str, dict[str, dict]]
+) -> dict[str, dict[str, list[dict]]]:
+    """Every contender on every data set once per round, interleaved. A contender that fails (or
+    whose conversion failed) is kept with its error and not run again."""
+    rounds: dict[str, dict[str, list[dict]]] = {ds: {name: [] for name in names} for ds in datasets}
+    for ds, converted in conversions.items():
+        for name, result in converted.items():
+            if "error" in result:
+                rounds[ds][name].append({"error": f"conversion: {result['error']}"})
     for round_ in range(args.repeat):
-        for name in names:
-            print(f"round {round_ + 1}/{args.repeat}: {LABELS[name]} ...", file=sys.stderr, flush=True)
-            result = run_contender(name, args)
-            if result is None:
-                return None
-            rounds[name].append(result)
+        for ds in datasets:
+            for name in names:
+                if any("error" in r for r in rounds[ds][name]):
+                    continue
+                print(f"round {round_ + 1}/{args.repeat}, {ds}: {LABELS[name]} ...", file=sys.stderr, flush=True)
+                rounds[ds][name].append(run_contender(name, ds, args))
     return rounds
 
 
 def median_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
-    """Each contender's median round by rate (the whole round, so its numbers belong together)."""
-    return {name: sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] for name, rs in rounds.items()}
+    """Each contender's median round by rate (the whole round, so its numbers belong together),
+    with the spread of its rounds' rates; a failed contender's error."""
+    results = {}
+    for name, rs in rounds.items():
+        errors = [r for r in rs if "error" in r]
+        if errors:
+            results[name] = errors[0]
+            continue
+        rates = [r["samples_per_s"] for r in rs]
+        results[name] = sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] | {
+            "min_samples_per_s": min(rates),
+            "max_samples_per_s": max(rates),
+            "rounds": len(rs),
+        }
+    return results
 
 
 def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) -> None:
-    limit = results.get("limit", {}).get("samples_per_s")
-    seed = results.get("seed", {}).get("samples_per_s")
+    rate = {name: r["samples_per_s"] for name, r in results.items() if "samples_per_s" in r}
+    limit, seed, ours = rate.get("limit"), rate.get("seed"), rate.get("ours")
     header = (
-        f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak RSS':>10} {'PSS at end':>11} "
-        f"{'x limit':>8} {'x seed':>7}"
+        f"{'loader':48} {'samples/s':>9} {'rounds':>11} {'first batch':>11} {'peak RSS':>9} {'PSS':>8} "
+        f"{'x limit':>7} {'x seed':>6} {'ours x':>6}"
     )
     print(
-        f"\n{args.images} JPEGs ({info['mean_kb']} KB mean, 500x375 q90), RandomResizedCrop(224) + flip, "
-        f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
-        f"median of {args.repeat} rounds"
+        f"\n{info['dataset']}: {args.images} JPEGs ({info['mean_kb']} KB mean, {info['size']}), "
+        f"RandomResizedCrop(224) + flip, batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, "
+        f"{platform.processor() or 'cpu'}; median of {args.repeat} rounds"
     )
     print(header)
     print("-" * len(header))
     for name, result in results.items():
-        rate = result["samples_per_s"]
+        if "error" in result:
+            print(f"{LABELS[name]:48} failed: {result['error']}")
+            continue
+        r = result["samples_per_s"]
+        spread = f"{result['min_samples_per_s']:.0f}-{result['max_samples_per_s']:.0f}"
         first = f"{result['first_batch_s']:.2f} s" if "first_batch_s" in result else "-"
         rss = f"{result['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in result else "-"
         pss = f"{result['pss_mb']:.0f} MB" if "pss_mb" in result else "-"
-        x_limit = f"{rate / limit:.2f}" if limit else "-"
-        x_seed = f"{rate / seed:.2f}" if seed else "-"
-        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {pss:>11} {x_limit:>8} {x_seed:>7}")
+        x_limit = f"{r / limit:.2f}" if limit else "-"
+        x_seed = f"{r / seed:.2f}" if seed else "-"
+        x_ours = f"{ours / r:.2f}" if ours else "-"
+        cells = f"{r:9.1f} {spread:>11} {first:>11} {rss:>9} {pss:>8} {x_limit:>7} {x_seed:>6} {x_ours:>6}"
+        print(f"{LABELS[name]:48} {cells}")
+    if ours and "ours-work" in rate:
+        print(f"ours / (e): {ours / rate['ours-work']:.2f} (ours x: ours' samples/s over that row's)")
 
 
-def write_json(args: argparse.Namespace, info: dict, results: dict[str, dict], rounds: dict[str, list[dict]]) -> None:
-    report = {
-        "config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]},
-        "results": results,
-        "rounds": rounds,
-    }
+def write_json(
+    args: argparse.Namespace,
+    infos: dict[str, dict],
+    results: dict[str, dict[str, dict]],
+    rounds: dict[str, dict[str, list[dict]]],
+    extra: dict,
+) -> None:
+    """``results`` (and ``rounds``) for the noise set, keyed by contender as before;
+    ``results_photos`` (``rounds_photos``) for the photos; ``data`` describes each set."""
+    report = {"config": vars(args) | {"cores": os.cpu_count()}, "data": infos} | extra
+    for ds in results:
+        suffix = "" if ds == "noise" else f"_{ds}"
+        report[f"results{suffix}"] = results[ds]
+        report[f"rounds{suffix}"] = rounds[ds]
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
@@ -389,18 +492,48 @@ def write_json(args: argparse.Namespace, info: dict, results: dict[str, dict], r
 
 def main() -> int:
     args = parse_args()
-    info = prepare(Path(args.data), args.images)
-    if args.run:
+    if args.run or args.convert:
+        info = prepare(data_folder(args, args.set), args.images, args.set)
+        if args.convert:
+            import peers
+
+            print(json.dumps(peers.convert(args.convert, info)))
+            return 0
         result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
         print(json.dumps(result))
         return 0
-    rounds = run_rounds(args.only or list(CONTENDERS), args)
-    if rounds is None:
-        return 1
-    results = median_rounds(rounds)
-    print_table(results, args, info)
-    write_json(args, info, results, rounds)
+    datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
+    names = args.only or list(CONTENDERS) + (list(PEERS) if args.peers else [])
+    extra: dict = {}
+    if "photos" in datasets or any(name in PEERS for name in names):
+        extra["bench_venv"] = peervenv.ensure()
+    infos = {ds: prepare(data_folder(args, ds), args.images, ds) for ds in datasets}
+    conversions: dict[str, dict] = {}
+    for ds in datasets:
+        for name in [n for n in names if n in PEERS]:
+            # Each peer's own format, once, outside the timed runs (in .bench-venv).
+            print(f"{ds}: {LABELS[name]}: converting the images (once) ...", file=sys.stderr, flush=True)
+            conversions.setdefault(ds, {})[name] = run_convert(name, ds, args)
+    if conversions:
+        extra["conversions"] = conversions
+    rounds = run_rounds(names, datasets, args, conversions)
+    results = {ds: median_rounds(rounds[ds]) for ds in datasets}
+    for ds in datasets:
+        print_table(results[ds], args, infos[ds])
+    write_json(args, infos, results, rounds, extra)
     return 0
+
+
+def run_convert(name: str, dataset: str, args: argparse.Namespace) -> dict:
+    cmd = [str(peervenv.python()), __file__, "--convert", name, "--set", dataset, "--images", str(args.images)]
+    out = subprocess.run(
+        cmd + ["--data", args.data], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
+    if out.returncode != 0:
+        print(out.stderr, file=sys.stderr)
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+        return {"error": lines[-1] if lines else f"exit status {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
