@@ -233,6 +233,16 @@ class TreeMemory:
     def _rss(self) -> int:
         return self._sum("statm", lambda f: int(f.read().split()[1]) * self._page)
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) used so far by the tree: its live processes (all their
+        threads) and the children they reaped (the workers of a loader's past epochs). Per sample,
+        it holds on a busy machine where wall time does not: another tenant's load stretches a
+        loader's wall time, not the CPU time its work takes."""
+        tick = os.sysconf("SC_CLK_TCK")
+        # /proc/PID/stat fields 14-17 (utime, stime, cutime, cstime), counted after the ")" that
+        # ends the command name. A child's time moves into cutime when reaped: counted once.
+        return self._sum("stat", lambda f: sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))) / tick
+
     def pss(self) -> int:
         return self._sum("smaps_rollup", lambda f: next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:")))
 
@@ -294,6 +304,30 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     return result
 
 
+def import_first(name: str) -> None:
+    """Import what the contender needs before its clock starts: time to first batch is the
+    loader's start-up (its workers, its files, its first decodes), not the interpreter loading
+    torch and the loader's library, which a trainer pays once whatever it reads with."""
+    import importlib
+
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
+
+    modules = {
+        "streaming": ["streaming"],
+        "litdata": ["litdata"],
+        "dali": ["nvidia.dali", "nvidia.dali.plugin.pytorch"],
+        "ffcv": ["ffcv", "ffcv.loader", "ffcv.fields.decoders", "ffcv.transforms"],
+        "wids": ["wids"],
+    }
+    if name in PEERS:
+        for module in ["peers", *modules[name]]:
+            importlib.import_module(module)
+    else:
+        for module in ["webdataset", "torchvision.datasets", "wdsdist.data.pipeline", "wdsdist.data.options"]:
+            importlib.import_module(module)
+
+
 def batch_shape(batch) -> str:
     """The first batch's images, as "64x3x224x224 uint8": that every contender does the same work."""
     if isinstance(batch, list) and batch and isinstance(batch[0], dict):
@@ -318,6 +352,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         for proc in procs:
             proc.join()
         return {"samples_per_s": sum(rates), "per_process": rates}
+    import_first(name)
     with TreeMemory() as mem:
         start = time.perf_counter()
         if name in PEERS:
@@ -339,16 +374,18 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
                     shape = batch_shape(got)
                 n += 1
                 if n == warmup:
-                    timed_from = time.perf_counter()
+                    timed_from, cpu_from = time.perf_counter(), mem.cpu()
                 if n == warmup + batches:
                     break
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), mem.cpu()
         pss = mem.pss()  # after the clock stopped, with the loader and its workers still alive
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
         "batch": shape,
         "timed_batches": batches,
+        # CPU time of the whole process tree (main, workers, threads) per sample in the timed part
+        "cpu_ms_per_sample": (cpu_end - cpu_from) * 1000 / (batches * batch),
         "peak_rss_mb": mem.peak_rss / 2**20,
         "pss_mb": pss / 2**20,
     }
@@ -443,8 +480,8 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
     rate = {name: r["samples_per_s"] for name, r in results.items() if "samples_per_s" in r}
     limit, seed, ours = rate.get("limit"), rate.get("seed"), rate.get("ours")
     header = (
-        f"{'loader':48} {'samples/s':>9} {'rounds':>11} {'first batch':>11} {'peak RSS':>9} {'PSS':>8} "
-        f"{'x limit':>7} {'x seed':>6} {'ours x':>6}"
+        f"{'loader':48} {'samples/s':>9} {'rounds':>11} {'CPU/sample':>10} {'first batch':>11} "
+        f"{'peak RSS':>9} {'PSS':>8} {'x limit':>7} {'x seed':>6} {'ours x':>6}"
     )
     print(
         f"\n{info['dataset']}: {args.images} JPEGs ({info['mean_kb']} KB mean, {info['size']}), "
@@ -465,7 +502,8 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
         x_limit = f"{r / limit:.2f}" if limit else "-"
         x_seed = f"{r / seed:.2f}" if seed else "-"
         x_ours = f"{ours / r:.2f}" if ours else "-"
-        cells = f"{r:9.1f} {spread:>11} {first:>11} {rss:>9} {pss:>8} {x_limit:>7} {x_seed:>6} {x_ours:>6}"
+        cpu = f"{result['cpu_ms_per_sample']:.2f} ms" if "cpu_ms_per_sample" in result else "-"
+        cells = f"{r:9.1f} {spread:>11} {cpu:>10} {first:>11} {rss:>9} {pss:>8} {x_limit:>7} {x_seed:>6} {x_ours:>6}"
         print(f"{LABELS[name]:48} {cells}")
     if ours and "ours-work" in rate:
         print(f"ours / (e): {ours / rate['ours-work']:.2f} (ours x: ours' samples/s over that row's)")
