@@ -56,6 +56,8 @@ CONTENDERS = (
     "ours-work",
 )
 PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (bench/peers.py)
+# With --peers: ours, the seed, the limits and the peers (our variants are the default run's).
+WITH_PEERS = ("ours", "seed", "limit", "ours-work", *PEERS)
 DATASETS = ("noise", "photos")
 SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95"}
 LABELS = {
@@ -294,11 +296,12 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     work(samples[0])
     if barrier is not None:
         barrier.wait()
-    n, start = 0, time.perf_counter()
+    n, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         work(samples[n % len(samples)])
         n += 1
-    result = {"per_core": n / (time.perf_counter() - start)}
+    cpu_ms = (time.process_time() - cpu_start) * 1000 / n
+    result = {"per_core": n / (time.perf_counter() - start), "cpu_ms_per_sample": cpu_ms}
     if results is not None:
         results.put(result["per_core"])
     return result
@@ -339,7 +342,11 @@ def batch_shape(batch) -> str:
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name in ("limit", "ours-work"):
         r = limit_rate(info, limit_seconds, region=name == "ours-work")
-        return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
+        return {
+            "samples_per_s": r["per_core"] * workers,
+            "per_core": r["per_core"],
+            "cpu_ms_per_sample": r["cpu_ms_per_sample"],
+        }
     if name == "side-by-side":
         # What W cores give together on this machine right now (shared caches, memory bandwidth,
         # other tenants): the same loop in W processes at once.
@@ -402,11 +409,22 @@ def run_contender(name: str, dataset: str, args: argparse.Namespace) -> dict:
     cmd += ["--workers", str(args.workers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     cmd += ["--batches", str(args.batches), "--limit-seconds", str(args.limit_seconds), "--data", args.data]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return outcome(out)
+
+
+def outcome(out: subprocess.CompletedProcess) -> dict:
+    """A contender's JSON line; ``{"error": ...}`` if it printed none. One that printed its result
+    and then died (FFCV at times ends with "terminate called without an active exception" while
+    tearing down its threads) keeps its result, and the error as ``exit_error``."""
+    lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+    said = lines[-1] if lines else f"exit status {out.returncode}"
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)
-        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
-        return {"error": lines[-1] if lines else f"exit status {out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    last = out.stdout.strip().splitlines()[-1:] if out.stdout.strip() else []
+    if last and last[0].startswith("{"):
+        result = json.loads(last[0])
+        return result if out.returncode == 0 else result | {"exit_error": said}
+    return {"error": said}
 
 
 def parse_args() -> argparse.Namespace:
@@ -424,7 +442,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--peers",
         action="store_true",
-        help="also the peer loaders (streaming, litdata, dali, ffcv, wids), in .bench-venv/, made here if needed",
+        help="the peer loaders (streaming, litdata, dali, ffcv, wids, in .bench-venv/, made here if needed) "
+        "beside ours, the seed and the limits (d), (e)",
     )
     p.add_argument(
         "--dataset",
@@ -441,8 +460,8 @@ def parse_args() -> argparse.Namespace:
 def run_rounds(
     names: list[str], datasets: list[str], args: argparse.Namespace, conversions: dict[str, dict[str, dict]]
 ) -> dict[str, dict[str, list[dict]]]:
-    """Every contender on every data set once per round, interleaved. A contender that fails (or
-    whose conversion failed) is kept with its error and not run again."""
+    """Every contender on every data set once per round, interleaved. A round that fails is kept
+    with its error (the others still count); a peer whose conversion failed is not run."""
     rounds: dict[str, dict[str, list[dict]]] = {ds: {name: [] for name in names} for ds in datasets}
     for ds, converted in conversions.items():
         for name, result in converted.items():
@@ -451,7 +470,7 @@ def run_rounds(
     for round_ in range(args.repeat):
         for ds in datasets:
             for name in names:
-                if any("error" in r for r in rounds[ds][name]):
+                if any(r.get("error", "").startswith("conversion: ") for r in rounds[ds][name]):
                     continue
                 print(f"round {round_ + 1}/{args.repeat}, {ds}: {LABELS[name]} ...", file=sys.stderr, flush=True)
                 rounds[ds][name].append(run_contender(name, ds, args))
@@ -462,10 +481,12 @@ def median_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
     """Each contender's median round by rate (the whole round, so its numbers belong together),
     with the spread of its rounds' rates; a failed contender's error."""
     results = {}
-    for name, rs in rounds.items():
-        errors = [r for r in rs if "error" in r]
-        if errors:
-            results[name] = errors[0]
+    ours = rounds.get("ours", [])
+    for name, all_rounds in rounds.items():
+        rs = [r for r in all_rounds if "error" not in r]
+        failed = [r["error"] for r in all_rounds if "error" in r]
+        if not rs:
+            results[name] = {"error": failed[0] if failed else "not run"}
             continue
         rates = [r["samples_per_s"] for r in rs]
         results[name] = sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] | {
@@ -473,6 +494,17 @@ def median_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
             "max_samples_per_s": max(rates),
             "rounds": len(rs),
         }
+        if failed:
+            results[name]["failed_rounds"] = failed
+        # ours over this contender within each round (minutes apart, not a whole run apart)
+        pairs = sorted(
+            o["samples_per_s"] / r["samples_per_s"]
+            for o, r in zip(ours, all_rounds, strict=False)
+            if "samples_per_s" in o and "samples_per_s" in r
+        )
+        if pairs:
+            results[name]["ours_x_per_round"] = pairs
+            results[name]["ours_x_median_round"] = pairs[(len(pairs) - 1) // 2]
     return results
 
 
@@ -501,12 +533,17 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
         pss = f"{result['pss_mb']:.0f} MB" if "pss_mb" in result else "-"
         x_limit = f"{r / limit:.2f}" if limit else "-"
         x_seed = f"{r / seed:.2f}" if seed else "-"
-        x_ours = f"{ours / r:.2f}" if ours else "-"
+        x_ours = f"{result['ours_x_median_round']:.2f}" if "ours_x_median_round" in result else "-"
         cpu = f"{result['cpu_ms_per_sample']:.2f} ms" if "cpu_ms_per_sample" in result else "-"
         cells = f"{r:9.1f} {spread:>11} {cpu:>10} {first:>11} {rss:>9} {pss:>8} {x_limit:>7} {x_seed:>6} {x_ours:>6}"
         print(f"{LABELS[name]:48} {cells}")
+    cpu = {name: r["cpu_ms_per_sample"] for name, r in results.items() if "cpu_ms_per_sample" in r}
     if ours and "ours-work" in rate:
-        print(f"ours / (e): {ours / rate['ours-work']:.2f} (ours x: ours' samples/s over that row's)")
+        print(f"ours / (e): {ours / rate['ours-work']:.2f} in samples/s", end="")
+        if "ours" in cpu and "ours-work" in cpu:
+            print(f", {cpu['ours-work'] / cpu['ours']:.2f} in CPU time per sample", end="")
+        print()
+    print("ours x: ours' samples/s over that row's, the median over rounds of each round's ratio")
 
 
 def write_json(
@@ -541,7 +578,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
-    names = args.only or list(CONTENDERS) + (list(PEERS) if args.peers else [])
+    names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
     extra: dict = {}
     if "photos" in datasets or any(name in PEERS for name in names):
         extra["bench_venv"] = peervenv.ensure()
