@@ -56,8 +56,8 @@ CONTENDERS = (
     "ours-work",
 )
 PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (bench/peers.py)
-# With --peers: ours, the seed, the limits and the peers (our variants are the default run's).
-WITH_PEERS = ("ours", "seed", "limit", "ours-work", *PEERS)
+# With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
+WITH_PEERS = ("ours", "limit", "ours-work", *PEERS)
 DATASETS = ("noise", "photos")
 SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95"}
 LABELS = {
@@ -443,7 +443,7 @@ def parse_args() -> argparse.Namespace:
         "--peers",
         action="store_true",
         help="the peer loaders (streaming, litdata, dali, ffcv, wids, in .bench-venv/, made here if needed) "
-        "beside ours, the seed and the limits (d), (e)",
+        "beside ours and the limits (d), (e)",
     )
     p.add_argument(
         "--dataset",
@@ -584,8 +584,12 @@ def main() -> int:
         extra["bench_venv"] = peervenv.ensure()
     infos = {ds: prepare(data_folder(args, ds), args.images, ds) for ds in datasets}
     conversions: dict[str, dict] = {}
+    not_built = extra.get("bench_venv", {}).get("not_built", {})
     for ds in datasets:
         for name in [n for n in names if n in PEERS]:
+            if name in not_built:
+                conversions.setdefault(ds, {})[name] = {"error": f"not built: {not_built[name]}"}
+                continue
             # Each peer's own format, once, outside the timed runs (in .bench-venv).
             print(f"{ds}: {LABELS[name]}: converting the images (once) ...", file=sys.stderr, flush=True)
             conversions.setdefault(ds, {})[name] = run_convert(name, ds, args)
