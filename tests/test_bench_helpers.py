@@ -1,5 +1,6 @@
-"""bench/photos.py's photo set: ImageNet-like sizes and aspect ratios, deterministic, without the
-packages the real photographs come from (those are only in .bench-venv)."""
+"""The benchmark's pure helpers, without the peers or the packages the photographs come from
+(those are only in .bench-venv): bench/photos.py's photo set and bench/peervenv.py's split of
+the peers' requirements."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import numpy as np
 from conftest import ROOT
 from PIL import Image
 
-spec = importlib.util.spec_from_file_location("bench_photos", ROOT / "bench" / "photos.py")
-photos = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(photos)
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+photos, peervenv = load("photos"), load("peervenv")
 
 
 def sources() -> list[np.ndarray]:
@@ -49,3 +56,14 @@ def test_photo_set_is_deterministic_per_seed():
     first = [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=7)]
     assert first == [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=7)]
     assert first != [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=8)]
+
+
+def test_peer_requirements_build_ffcv_apart():
+    """FFCV compiles against system headers: it gets its own pip step, so that a machine without
+    them still gets the other peers; every other pinned line goes to the first step."""
+    wheels, built = peervenv.split_requirements(peervenv.REQUIREMENTS.read_text())
+    assert built == ["ffcv==1.0.2"]
+    assert "litdata==0.2.76" in wheels and "torch==2.14.1" in wheels
+    assert all("==" in r and not r.startswith("#") for r in wheels)  # all pinned, comments dropped
+    # The torch trap: never 2.13 (its local CPU wheel shadows PyPI's, torchvision breaks on it).
+    assert not [r for r in wheels if r.startswith("torch==2.13")]
