@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
-ImageFolder, and the decode limit. Run with ``./run bench.py`` (see --help).
+ImageFolder, the decode limit and, with --peers, the other streaming loaders (MosaicML
+Streaming, LitData, DALI on the CPU, FFCV, wids). Run with ``./run bench.py`` (see --help).
 
 The limit (d) is torchvision's whole decode + RandomResizedCrop + flip in a loop, no loader:
 what every loader decoding whole images can reach. Ours decodes only the crop's region
@@ -10,9 +11,14 @@ per-sample work in a loop: (a)/(e) is what the loader keeps of its workers' core
 Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
 process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
 Contenders run in rounds (--repeat), interleaved, and the table gives each one's median round,
-so a slow minute of a shared machine does not land on one contender only. Data: ImageNet-like
-JPEGs (500x375, quality 90, about 90 KB), written once as shards and as an ImageFolder tree.
-Work: RandomResizedCrop(224) + horizontal flip, batches of 64, W DataLoader workers.
+so a slow minute of a shared machine does not land on one contender only. Data (--dataset):
+``noise``, ImageNet-like JPEGs of textured noise (500x375, quality 90, about 90 KB), and
+``photos``, crops of the photographs inside scikit-learn's and scikit-image's wheels (shorter
+side 300-500, mixed aspect ratios, quality 75-95; bench/photos.py), each written once as shards
+and as an ImageFolder tree. The peers run in .bench-venv/ (bench/requirements-peers.txt, made
+here when missing or when that file changes; bench/peervenv.py), each converting the images to
+its own format once (cached under the data set's folder, peers/NAME/). Work: RandomResizedCrop
+(224) + horizontal flip, uint8 batches of 64, W workers.
 """
 # Above the size guide on purpose: one script a user runs and reads, every contender's row side by side
 # with the same timing and memory code.
@@ -25,6 +31,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import peervenv  # noqa: E402  (bench/, beside this file)
 
 NCLASSES = 10
 CONTENDERS = (
@@ -46,6 +55,11 @@ CONTENDERS = (
     "side-by-side",
     "ours-work",
 )
+PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (bench/peers.py)
+# With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
+WITH_PEERS = ("ours", "limit", "ours-work", *PEERS)
+DATASETS = ("noise", "photos")
+SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95"}
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
     "ours-samples": "(a*) ours, loader.split=samples",
@@ -56,6 +70,11 @@ LABELS = {
     "limit": "(d) limit: W x single-core decode+crop+flip",
     "side-by-side": "(d') W such loops at once, summed",
     "ours-work": "(e) W x single-core region decode+crop+flip",
+    "streaming": "(f) MosaicML Streaming: MDS + StreamingDataset",
+    "litdata": "(g) LitData: optimize + StreamingDataLoader",
+    "dali": "(h) DALI, CPU: readers.webdataset + decoders",
+    "ffcv": "(i) FFCV: .beton + RandomResizedCropRGBDecoder",
+    "wids": "(j) wids: ShardListDataset + ChunkedSampler",
 }
 
 
@@ -76,28 +95,47 @@ def photo(i: int, w: int = 500, h: int = 375, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def prepare(data: Path, n: int) -> dict:
+def data_folder(args: argparse.Namespace, dataset: str) -> Path:
+    """noise in --data itself (where it always was), photos in --data/photos."""
+    return Path(args.data) if dataset == "noise" else Path(args.data) / "photos"
+
+
+def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
+    marker = data / f"ready-{n}.json"
+    if marker.exists():  # (a marker of an older bench.py lacks dataset and size)
+        return {"dataset": dataset, "size": SIZES[dataset]} | json.loads(marker.read_text())
     from tqdm import tqdm
 
     from wdsdist.data.index import index_path
     from wdsdist.tools.shards import Sample, ShardSink
 
-    marker = data / f"ready-{n}.json"
-    if marker.exists():
-        return json.loads(marker.read_text())
+    if dataset == "photos":
+        # The photographs come from packages installed only in .bench-venv.
+        print(f"writing {n} photo crops to {data / 'tree'} (in .bench-venv)", file=sys.stderr, flush=True)
+        tree = data / "tree"
+        if tree.exists():
+            shutil.rmtree(tree)  # an earlier run that did not finish
+        subprocess.run([str(peervenv.python()), str(ROOT / "bench" / "photos.py"), str(tree), str(n)], check=True)
+        files = sorted(tree.glob("class*/*.jpg"), key=lambda p: p.name)
+        images = ((int(p.parent.name[5:]), p.read_bytes()) for p in files)
+    else:
+        images = ((i % NCLASSES, photo(i)) for i in range(n))
     total = 0
     with ShardSink(str(data / "shards"), "bench", maxcount=250, maxsize=1 << 30) as sink:
-        for i in tqdm(range(n), desc="bench data", unit="img", mininterval=1.0):
-            jpg, label = photo(i), i % NCLASSES
+        for i, (label, jpg) in enumerate(
+            tqdm(images, total=n, desc=f"bench data ({dataset})", unit="img", mininterval=1.0)
+        ):
             total += len(jpg)
-            folder = data / "tree" / f"class{label:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+            if dataset == "noise":
+                folder = data / "tree" / f"class{label:02d}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"img{i:06d}.jpg").write_bytes(jpg)
             sink.write(Sample(f"img{i:06d}", "jpg", jpg, label, {}))
         sink.commit()
     index = index_path(str(data / "shards"), "bench")
     info = {"images": n, "mean_kb": round(total / n / 1024, 1), "index": index, "tree": str(data / "tree")}
+    info |= {"dataset": dataset, "size": SIZES[dataset]}
     marker.write_text(json.dumps(info))
     return info
 
@@ -197,6 +235,16 @@ class TreeMemory:
     def _rss(self) -> int:
         return self._sum("statm", lambda f: int(f.read().split()[1]) * self._page)
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) used so far by the tree: its live processes (all their
+        threads) and the children they reaped (the workers of a loader's past epochs). Per sample,
+        it holds on a busy machine where wall time does not: another tenant's load stretches a
+        loader's wall time, not the CPU time its work takes."""
+        tick = os.sysconf("SC_CLK_TCK")
+        # /proc/PID/stat fields 14-17 (utime, stime, cutime, cstime), counted after the ")" that
+        # ends the command name. A child's time moves into cutime when reaped: counted once.
+        return self._sum("stat", lambda f: sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))) / tick
+
     def pss(self) -> int:
         return self._sum("smaps_rollup", lambda f: next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:")))
 
@@ -248,20 +296,57 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     work(samples[0])
     if barrier is not None:
         barrier.wait()
-    n, start = 0, time.perf_counter()
+    n, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         work(samples[n % len(samples)])
         n += 1
-    result = {"per_core": n / (time.perf_counter() - start)}
+    cpu_ms = (time.process_time() - cpu_start) * 1000 / n
+    result = {"per_core": n / (time.perf_counter() - start), "cpu_ms_per_sample": cpu_ms}
     if results is not None:
         results.put(result["per_core"])
     return result
 
 
+def import_first(name: str) -> None:
+    """Import what the contender needs before its clock starts: time to first batch is the
+    loader's start-up (its workers, its files, its first decodes), not the interpreter loading
+    torch and the loader's library, which a trainer pays once whatever it reads with."""
+    import importlib
+
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
+
+    modules = {
+        "streaming": ["streaming"],
+        "litdata": ["litdata"],
+        "dali": ["nvidia.dali", "nvidia.dali.plugin.pytorch"],
+        "ffcv": ["ffcv", "ffcv.loader", "ffcv.fields.decoders", "ffcv.transforms"],
+        "wids": ["wids"],
+    }
+    if name in PEERS:
+        for module in ["peers", *modules[name]]:
+            importlib.import_module(module)
+    else:
+        for module in ["webdataset", "torchvision.datasets", "wdsdist.data.pipeline", "wdsdist.data.options"]:
+            importlib.import_module(module)
+
+
+def batch_shape(batch) -> str:
+    """The first batch's images, as "64x3x224x224 uint8": that every contender does the same work."""
+    if isinstance(batch, list) and batch and isinstance(batch[0], dict):
+        batch = batch[0]  # DALI's iterator: one dict per pipeline
+    images = batch["image"] if isinstance(batch, dict) else batch[0]
+    return "x".join(map(str, images.shape)) + " " + str(images.dtype).removeprefix("torch.")
+
+
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name in ("limit", "ours-work"):
         r = limit_rate(info, limit_seconds, region=name == "ours-work")
-        return {"samples_per_s": r["per_core"] * workers, "per_core": r["per_core"]}
+        return {
+            "samples_per_s": r["per_core"] * workers,
+            "per_core": r["per_core"],
+            "cpu_ms_per_sample": r["cpu_ms_per_sample"],
+        }
     if name == "side-by-side":
         # What W cores give together on this machine right now (shared caches, memory bandwidth,
         # other tenants): the same loop in W processes at once.
@@ -274,9 +359,15 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         for proc in procs:
             proc.join()
         return {"samples_per_s": sum(rates), "per_process": rates}
+    import_first(name)
     with TreeMemory() as mem:
         start = time.perf_counter()
-        loader = loader_for(name, info, workers, batch)
+        if name in PEERS:
+            import peers
+
+            loader = peers.loader_for(name, info, workers, batch)
+        else:
+            loader = loader_for(name, info, workers, batch)
         first = timed_from = None
         n = 0
         # Each loader is used as a trainer uses it: ours epochless, the others epoch after epoch
@@ -284,20 +375,24 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         # are not timed.
         while n < warmup + batches:
             it = iter(loader)  # held until the PSS is read: a loader's workers live as long as it
-            for _ in it:
+            for got in it:
                 if first is None:
                     first = time.perf_counter()
+                    shape = batch_shape(got)
                 n += 1
                 if n == warmup:
-                    timed_from = time.perf_counter()
+                    timed_from, cpu_from = time.perf_counter(), mem.cpu()
                 if n == warmup + batches:
                     break
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), mem.cpu()
         pss = mem.pss()  # after the clock stopped, with the loader and its workers still alive
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
+        "batch": shape,
         "timed_batches": batches,
+        # CPU time of the whole process tree (main, workers, threads) per sample in the timed part
+        "cpu_ms_per_sample": (cpu_end - cpu_from) * 1000 / (batches * batch),
         "peak_rss_mb": mem.peak_rss / 2**20,
         "pss_mb": pss / 2**20,
     }
@@ -306,16 +401,30 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
 # ---------------------------------------------------------------- the report
 
 
-def run_contender(name: str, args: argparse.Namespace) -> dict | None:
-    """One contender in a fresh subprocess; None (its stderr printed) if it failed."""
-    cmd = [sys.executable, __file__, "--run", name, "--images", str(args.images), "--workers", str(args.workers)]
-    cmd += ["--batch", str(args.batch), "--warmup", str(args.warmup), "--batches", str(args.batches)]
-    cmd += ["--limit-seconds", str(args.limit_seconds), "--data", args.data]
+def run_contender(name: str, dataset: str, args: argparse.Namespace) -> dict:
+    """One contender in a fresh subprocess (the peers in .bench-venv's Python); on failure
+    ``{"error": its last line of stderr}``, the whole stderr printed."""
+    python = str(peervenv.python()) if name in PEERS else sys.executable
+    cmd = [python, __file__, "--run", name, "--set", dataset, "--images", str(args.images)]
+    cmd += ["--workers", str(args.workers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
+    cmd += ["--batches", str(args.batches), "--limit-seconds", str(args.limit_seconds), "--data", args.data]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return outcome(out)
+
+
+def outcome(out: subprocess.CompletedProcess) -> dict:
+    """A contender's JSON line; ``{"error": ...}`` if it printed none. One that printed its result
+    and then died (FFCV at times ends with "terminate called without an active exception" while
+    tearing down its threads) keeps its result, and the error as ``exit_error``."""
+    lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+    said = lines[-1] if lines else f"exit status {out.returncode}"
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    last = out.stdout.strip().splitlines()[-1:] if out.stdout.strip() else []
+    if last and last[0].startswith("{"):
+        result = json.loads(last[0])
+        return result if out.returncode == 0 else result | {"exit_error": said}
+    return {"error": said}
 
 
 def parse_args() -> argparse.Namespace:
@@ -328,60 +437,129 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--limit-seconds", type=float, default=10.0, help="how long to time the decode limit")
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
-    p.add_argument("--only", nargs="*", choices=CONTENDERS, help="run only these contenders")
+    p.add_argument("--only", nargs="*", choices=CONTENDERS + PEERS, help="run only these contenders")
     p.add_argument("--repeat", type=int, default=5, help="rounds over all contenders (default: %(default)s)")
-    p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="the peer loaders (streaming, litdata, dali, ffcv, wids, in .bench-venv/, made here if needed) "
+        "beside ours and the limits (d), (e)",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=(*DATASETS, "both"),
+        default="noise",
+        help="noise: textured noise; photos: crops of packaged photographs (needs .bench-venv); default %(default)s",
+    )
+    p.add_argument("--run", choices=CONTENDERS + PEERS, help=argparse.SUPPRESS)  # internal: one contender
+    p.add_argument("--set", choices=DATASETS, default="noise", help=argparse.SUPPRESS)  # internal: its data set
+    p.add_argument("--convert", choices=PEERS, help=argparse.SUPPRESS)  # internal: one peer's format, once
     return p.parse_args()
 
 
-def run_rounds(names: list[str], args: argparse.Namespace) -> dict[str, list[dict]] | None:
-    """Every contender once per round, interleaved; None if one failed."""
-    rounds: dict[str, list[dict]] = {name: [] for name in names}
+def run_rounds(
+    names: list[str], datasets: list[str], args: argparse.Namespace, conversions: dict[str, dict[str, dict]]
+) -> dict[str, dict[str, list[dict]]]:
+    """Every contender on every data set once per round, interleaved. A round that fails is kept
+    with its error (the others still count); a peer whose conversion failed is not run."""
+    rounds: dict[str, dict[str, list[dict]]] = {ds: {name: [] for name in names} for ds in datasets}
+    for ds, converted in conversions.items():
+        for name, result in converted.items():
+            if "error" in result:
+                rounds[ds][name].append({"error": f"conversion: {result['error']}"})
     for round_ in range(args.repeat):
-        for name in names:
-            print(f"round {round_ + 1}/{args.repeat}: {LABELS[name]} ...", file=sys.stderr, flush=True)
-            result = run_contender(name, args)
-            if result is None:
-                return None
-            rounds[name].append(result)
+        for ds in datasets:
+            for name in names:
+                if any(r.get("error", "").startswith("conversion: ") for r in rounds[ds][name]):
+                    continue
+                print(f"round {round_ + 1}/{args.repeat}, {ds}: {LABELS[name]} ...", file=sys.stderr, flush=True)
+                rounds[ds][name].append(run_contender(name, ds, args))
     return rounds
 
 
 def median_rounds(rounds: dict[str, list[dict]]) -> dict[str, dict]:
-    """Each contender's median round by rate (the whole round, so its numbers belong together)."""
-    return {name: sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] for name, rs in rounds.items()}
+    """Each contender's median round by rate (the whole round, so its numbers belong together),
+    with the spread of its rounds' rates; a failed contender's error."""
+    results = {}
+    ours = rounds.get("ours", [])
+    for name, all_rounds in rounds.items():
+        rs = [r for r in all_rounds if "error" not in r]
+        failed = [r["error"] for r in all_rounds if "error" in r]
+        if not rs:
+            results[name] = {"error": failed[0] if failed else "not run"}
+            continue
+        rates = [r["samples_per_s"] for r in rs]
+        results[name] = sorted(rs, key=lambda r: r["samples_per_s"])[(len(rs) - 1) // 2] | {
+            "min_samples_per_s": min(rates),
+            "max_samples_per_s": max(rates),
+            "rounds": len(rs),
+        }
+        if failed:
+            results[name]["failed_rounds"] = failed
+        # ours over this contender within each round (minutes apart, not a whole run apart)
+        pairs = sorted(
+            o["samples_per_s"] / r["samples_per_s"]
+            for o, r in zip(ours, all_rounds, strict=False)
+            if "samples_per_s" in o and "samples_per_s" in r
+        )
+        if pairs:
+            results[name]["ours_x_per_round"] = pairs
+            results[name]["ours_x_median_round"] = pairs[(len(pairs) - 1) // 2]
+    return results
 
 
 def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) -> None:
-    limit = results.get("limit", {}).get("samples_per_s")
-    seed = results.get("seed", {}).get("samples_per_s")
+    rate = {name: r["samples_per_s"] for name, r in results.items() if "samples_per_s" in r}
+    limit, seed, ours = rate.get("limit"), rate.get("seed"), rate.get("ours")
     header = (
-        f"{'loader':44} {'samples/s':>10} {'first batch':>12} {'peak RSS':>10} {'PSS at end':>11} "
-        f"{'x limit':>8} {'x seed':>7}"
+        f"{'loader':48} {'samples/s':>9} {'rounds':>11} {'CPU/sample':>10} {'first batch':>11} "
+        f"{'peak RSS':>9} {'PSS':>8} {'x limit':>7} {'x seed':>6} {'ours x':>6}"
     )
     print(
-        f"\n{args.images} JPEGs ({info['mean_kb']} KB mean, 500x375 q90), RandomResizedCrop(224) + flip, "
-        f"batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
-        f"median of {args.repeat} rounds"
+        f"\n{info['dataset']}: {args.images} JPEGs ({info['mean_kb']} KB mean, {info['size']}), "
+        f"RandomResizedCrop(224) + flip, batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, "
+        f"{platform.processor() or 'cpu'}; median of {args.repeat} rounds"
     )
     print(header)
     print("-" * len(header))
     for name, result in results.items():
-        rate = result["samples_per_s"]
+        if "error" in result:
+            print(f"{LABELS[name]:48} failed: {result['error']}")
+            continue
+        r = result["samples_per_s"]
+        spread = f"{result['min_samples_per_s']:.0f}-{result['max_samples_per_s']:.0f}"
         first = f"{result['first_batch_s']:.2f} s" if "first_batch_s" in result else "-"
         rss = f"{result['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in result else "-"
         pss = f"{result['pss_mb']:.0f} MB" if "pss_mb" in result else "-"
-        x_limit = f"{rate / limit:.2f}" if limit else "-"
-        x_seed = f"{rate / seed:.2f}" if seed else "-"
-        print(f"{LABELS[name]:44} {rate:10.1f} {first:>12} {rss:>10} {pss:>11} {x_limit:>8} {x_seed:>7}")
+        x_limit = f"{r / limit:.2f}" if limit else "-"
+        x_seed = f"{r / seed:.2f}" if seed else "-"
+        x_ours = f"{result['ours_x_median_round']:.2f}" if "ours_x_median_round" in result else "-"
+        cpu = f"{result['cpu_ms_per_sample']:.2f} ms" if "cpu_ms_per_sample" in result else "-"
+        cells = f"{r:9.1f} {spread:>11} {cpu:>10} {first:>11} {rss:>9} {pss:>8} {x_limit:>7} {x_seed:>6} {x_ours:>6}"
+        print(f"{LABELS[name]:48} {cells}")
+    cpu = {name: r["cpu_ms_per_sample"] for name, r in results.items() if "cpu_ms_per_sample" in r}
+    if ours and "ours-work" in rate:
+        print(f"ours / (e): {ours / rate['ours-work']:.2f} in samples/s", end="")
+        if "ours" in cpu and "ours-work" in cpu:
+            print(f", {cpu['ours-work'] / cpu['ours']:.2f} in CPU time per sample", end="")
+        print()
+    print("ours x: ours' samples/s over that row's, the median over rounds of each round's ratio")
 
 
-def write_json(args: argparse.Namespace, info: dict, results: dict[str, dict], rounds: dict[str, list[dict]]) -> None:
-    report = {
-        "config": vars(args) | {"cores": os.cpu_count(), "mean_kb": info["mean_kb"]},
-        "results": results,
-        "rounds": rounds,
-    }
+def write_json(
+    args: argparse.Namespace,
+    infos: dict[str, dict],
+    results: dict[str, dict[str, dict]],
+    rounds: dict[str, dict[str, list[dict]]],
+    extra: dict,
+) -> None:
+    """``results`` (and ``rounds``) for the noise set, keyed by contender as before;
+    ``results_photos`` (``rounds_photos``) for the photos; ``data`` describes each set."""
+    report = {"config": vars(args) | {"cores": os.cpu_count()}, "data": infos} | extra
+    for ds in results:
+        suffix = "" if ds == "noise" else f"_{ds}"
+        report[f"results{suffix}"] = results[ds]
+        report[f"rounds{suffix}"] = rounds[ds]
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
@@ -389,18 +567,52 @@ def write_json(args: argparse.Namespace, info: dict, results: dict[str, dict], r
 
 def main() -> int:
     args = parse_args()
-    info = prepare(Path(args.data), args.images)
-    if args.run:
+    if args.run or args.convert:
+        info = prepare(data_folder(args, args.set), args.images, args.set)
+        if args.convert:
+            import peers
+
+            print(json.dumps(peers.convert(args.convert, info)))
+            return 0
         result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
         print(json.dumps(result))
         return 0
-    rounds = run_rounds(args.only or list(CONTENDERS), args)
-    if rounds is None:
-        return 1
-    results = median_rounds(rounds)
-    print_table(results, args, info)
-    write_json(args, info, results, rounds)
+    datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
+    names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
+    extra: dict = {}
+    if "photos" in datasets or any(name in PEERS for name in names):
+        extra["bench_venv"] = peervenv.ensure()
+    infos = {ds: prepare(data_folder(args, ds), args.images, ds) for ds in datasets}
+    conversions: dict[str, dict] = {}
+    not_built = extra.get("bench_venv", {}).get("not_built", {})
+    for ds in datasets:
+        for name in [n for n in names if n in PEERS]:
+            if name in not_built:
+                conversions.setdefault(ds, {})[name] = {"error": f"not built: {not_built[name]}"}
+                continue
+            # Each peer's own format, once, outside the timed runs (in .bench-venv).
+            print(f"{ds}: {LABELS[name]}: converting the images (once) ...", file=sys.stderr, flush=True)
+            conversions.setdefault(ds, {})[name] = run_convert(name, ds, args)
+    if conversions:
+        extra["conversions"] = conversions
+    rounds = run_rounds(names, datasets, args, conversions)
+    results = {ds: median_rounds(rounds[ds]) for ds in datasets}
+    for ds in datasets:
+        print_table(results[ds], args, infos[ds])
+    write_json(args, infos, results, rounds, extra)
     return 0
+
+
+def run_convert(name: str, dataset: str, args: argparse.Namespace) -> dict:
+    cmd = [str(peervenv.python()), __file__, "--convert", name, "--set", dataset, "--images", str(args.images)]
+    out = subprocess.run(
+        cmd + ["--data", args.data], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
+    if out.returncode != 0:
+        print(out.stderr, file=sys.stderr)
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+        return {"error": lines[-1] if lines else f"exit status {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

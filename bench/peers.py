@@ -1,0 +1,255 @@
+"""The peer loaders of ``bench.py --peers``, each in the setup its own documentation gives.
+
+Run only inside .bench-venv (bench/requirements-peers.txt), one contender per process, by
+bench.py. Every one does the same work per sample as ours: decode, RandomResizedCrop(224) (scale
+0.08-1, ratio 3/4-4/3), horizontal flip half the time, uint8 batches of 64, drop the last partial
+batch, 2 workers (DataLoader worker processes, or DALI's and FFCV's own threads). Each peer's
+own format is converted once from the bench's images (``convert``), outside the timed part, and
+cached under the data set's folder (peers/NAME/).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+# torch.frombuffer over read-only bytes: only read here (decode_jpeg), so its warning says nothing.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")
+CHUNK_BYTES = 64 << 20  # MDS and LitData chunk size: their documented defaults are 64 MB ("64mb")
+
+
+def tree_samples(info: dict) -> list[tuple[str, int]]:
+    """The data set's images (path, class), in a fixed order; the same bytes as its shards."""
+    tree = Path(info["tree"])
+    return [(str(p), int(p.parent.name[5:])) for p in sorted(tree.glob("class*/*.jpg"))]
+
+
+def shard_paths(info: dict) -> list[str]:
+    """The tar files that the data set's index names (wids index: urls relative to the index)."""
+    index = json.loads(Path(info["index"]).read_text())
+    base = Path(info["index"]).parent
+    return [str(base / s["url"]) for s in index["shardlist"]]
+
+
+def torch_transform():
+    """Ours, exactly (wdsdist.data.decode.make_transform): v2 on uint8 CHW tensors."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+
+
+def decode_crop(jpg: bytes, transform):
+    """torchvision's tensor path: libjpeg-turbo decode to uint8 CHW, then the transform."""
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return transform(decode_jpeg(torch.frombuffer(jpg, dtype=torch.uint8), mode=ImageReadMode.RGB))
+
+
+def folder_of(name: str, info: dict) -> Path:
+    return Path(info["tree"]).parent / "peers" / name
+
+
+# ---------------------------------------------------------------- conversion, once per data set
+
+
+def convert(name: str, info: dict) -> dict:
+    """Write the peer's format from the data set once; returns what it took (seconds, MB)."""
+    import time
+
+    folder = folder_of(name, info)
+    done = folder / "done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    if folder.exists():
+        shutil.rmtree(folder)  # an earlier conversion that did not finish
+    folder.mkdir(parents=True)
+    start = time.perf_counter()
+    out = folder / "data"
+    if name == "streaming":
+        from streaming import MDSWriter
+
+        # MDS's "bytes" column keeps the JPEG as it is; decoding is the reader's (torchvision's).
+        with MDSWriter(out=str(out), columns={"jpg": "bytes", "cls": "int"}, size_limit=CHUNK_BYTES) as writer:
+            for path, label in tree_samples(info):
+                writer.write({"jpg": Path(path).read_bytes(), "cls": label})
+    elif name == "litdata":
+        import litdata as ld
+
+        # LitData's documented image path: return PIL images from the function; a JPEG file opened
+        # by PIL is stored as its own bytes and decoded on read by torchvision's decode_jpeg.
+        ld.optimize(
+            fn=_litdata_sample, inputs=tree_samples(info), output_dir=str(out), chunk_bytes=CHUNK_BYTES, num_workers=2
+        )
+    elif name == "dali":
+        # DALI's own index format for its webdataset reader, made by its wds2idx tool.
+        out.mkdir()
+        for tar in shard_paths(info):
+            idx = out / (Path(tar).stem + ".idx")
+            subprocess.run(
+                [str(Path(sys.executable).parent / "wds2idx"), tar, str(idx)], check=True, capture_output=True
+            )
+    elif name == "ffcv":
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.writer import DatasetWriter
+        from PIL import Image
+
+        class Images:
+            def __init__(self, samples):
+                self.samples = samples
+
+            def __len__(self):
+                return len(self.samples)
+
+            def __getitem__(self, i):
+                path, label = self.samples[i]
+                return Image.open(path).convert("RGB"), label
+
+        # FFCV stores JPEG fields by encoding them itself (write_mode="jpg", at jpeg_quality), so
+        # its images are re-encodings of ours at quality 90, not the same bytes.
+        fields = {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()}
+        DatasetWriter(str(out) + ".beton", fields, num_workers=2).from_indexed_dataset(Images(tree_samples(info)))
+    elif name == "wids":
+        pass  # reads our shards through our index as they are
+    else:
+        raise ValueError(name)
+    result = {"convert_s": round(time.perf_counter() - start, 1), "mb": round(_size(folder) / 2**20, 1)}
+    done.write_text(json.dumps(result))
+    return result
+
+
+def _litdata_sample(item: tuple[str, int]) -> dict:
+    from PIL import Image
+
+    path, label = item
+    return {"image": Image.open(path), "cls": label}
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def loader_for(name: str, info: dict, workers: int, batch: int):
+    """An iterable over uint8 image batches, used epoch after epoch (``iter`` per epoch)."""
+    folder = folder_of(name, info)
+    if name == "streaming":
+        return _streaming(folder / "data", workers, batch)
+    if name == "litdata":
+        return _litdata(folder / "data", workers, batch)
+    if name == "dali":
+        return _dali(info, folder / "data", workers, batch)
+    if name == "ffcv":
+        return _ffcv(str(folder / "data") + ".beton", workers, batch)
+    if name == "wids":
+        return _wids(info, workers, batch)
+    raise ValueError(name)
+
+
+def _streaming(local: Path, workers: int, batch: int):
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    class Images(StreamingDataset):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.transform = torch_transform()
+
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return decode_crop(sample["jpg"], self.transform), sample["cls"]
+
+    # Its own shuffle (shuffle_algo's default, py1e); batch_size tells it how batches will be cut.
+    ds = Images(local=str(local), shuffle=True, batch_size=batch)
+    return StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True, persistent_workers=True)
+
+
+def _litdata(out: Path, workers: int, batch: int):
+    import litdata as ld
+
+    transform = torch_transform()
+
+    class Images(ld.StreamingDataset):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return transform(sample["image"]), sample["cls"]
+
+    ds = Images(str(out), shuffle=True, drop_last=True)
+    return ld.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True)
+
+
+def _dali(info: dict, idx_folder: Path, workers: int, batch: int):
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    tars = shard_paths(info)
+    idx = [str(idx_folder / (Path(t).stem + ".idx")) for t in tars]
+
+    # CPU only: device_id=None; num_threads are DALI's workers.
+    @pipeline_def(batch_size=batch, num_threads=workers, device_id=None)
+    def pipe():
+        jpg, cls = fn.readers.webdataset(
+            paths=tars,
+            index_paths=idx,
+            ext=["jpg", "cls"],
+            random_shuffle=True,
+            initial_fill=1000,
+            missing_component_behavior="error",
+            name="reader",
+        )
+        img = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)  # area 0.08-1, ratio 3/4-4/3
+        img = fn.resize(img, resize_x=224, resize_y=224)
+        img = fn.flip(img, horizontal=fn.random.coin_flip())
+        return img, cls
+
+    p = pipe()
+    p.build()
+    return DALIGenericIterator(
+        p, ["image", "cls"], reader_name="reader", last_batch_policy=LastBatchPolicy.DROP, auto_reset=True
+    )
+
+
+def _ffcv(path: str, workers: int, batch: int):
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+
+    pipelines = {
+        "image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
+        "label": [IntDecoder(), ToTensor()],
+    }
+    # As FFCV's ImageNet example when the data set fits in memory: os_cache=True with RANDOM order.
+    return Loader(
+        path,
+        batch_size=batch,
+        num_workers=workers,
+        order=OrderOption.RANDOM,
+        os_cache=True,
+        drop_last=True,
+        pipelines=pipelines,
+    )
+
+
+def _wids(info: dict, workers: int, batch: int):
+    import torch
+    import wids
+
+    transform = torch_transform()
+
+    def make_sample(sample: dict):
+        # wids hands each member over as an io.BytesIO (over its mapped tar)
+        return decode_crop(sample[".jpg"].getvalue(), transform), int(sample[".cls"].getvalue())
+
+    # Raw bytes from the shards (no PIL decode), torchvision's tensor path as for the others.
+    ds = wids.ShardListDataset(info["index"], transformations=[make_sample])
+    sampler = wids.DistributedChunkedSampler(ds, chunksize=1000, shuffle=True)
+    return torch.utils.data.DataLoader(
+        ds, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=True, persistent_workers=True
+    )

@@ -1,0 +1,84 @@
+"""The bench's second data set: crops of real photographs that ship inside Python packages.
+
+The noise images of bench.py compress unlike photographs (no flat regions, no edges). These are
+crops and rescales of the colour photographs inside scikit-learn's and scikit-image's wheels,
+at ImageNet-like sizes: shorter side 300-500 px, mixed aspect ratios, JPEG quality 75-95. They
+are generated at bench time (nothing here is committed) and never fetched: only images that are
+files inside the installed packages are used.
+
+``python bench/photos.py TREE N`` writes N images as an ImageFolder tree (run by bench.py in
+.bench-venv, where the two packages are installed).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ASPECTS = (4 / 3, 3 / 2, 1.0, 3 / 4, 2 / 3, 16 / 9, 5 / 4, 4 / 5)  # width / height
+SHORT_SIDE = (300, 500)  # inclusive
+QUALITY = (75, 95)  # inclusive
+# skimage.data's colour photographs of everyday scenes that are files inside its wheel (others are
+# downloaded on first use, which a benchmark must not do), read as files: no fetcher is called.
+SKIMAGE_FILES = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png")
+
+
+def photo_set(sources: list[np.ndarray], n: int, seed: int = 0) -> Iterator[tuple[bytes, dict]]:
+    """n JPEGs cut from ``sources`` (H x W x 3 uint8 arrays): for each, an aspect ratio, a shorter
+    side and a quality are drawn, then a random region of that aspect covering 25-100 % of the
+    largest such region of a source is resized to that size (mostly down: the sources are
+    400-640 px wide) and flipped half the time. Yields (jpeg bytes, what was drawn)."""
+    if not sources:
+        raise ValueError("no source photographs")
+    for i in range(n):
+        rng = np.random.default_rng((seed, i))
+        src = sources[i % len(sources)]
+        sh, sw = src.shape[:2]
+        aspect = float(rng.choice(ASPECTS))
+        short = int(rng.integers(SHORT_SIDE[0], SHORT_SIDE[1] + 1))
+        w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
+        # The largest region of that aspect inside the source, then a random share of it.
+        rw, rh = (sw, sw / aspect) if sw / aspect <= sh else (sh * aspect, sh)
+        scale = float(np.sqrt(rng.uniform(0.25, 1.0)))
+        rw, rh = max(16, int(rw * scale)), max(16, int(rh * scale))
+        x, y = int(rng.integers(0, sw - rw + 1)), int(rng.integers(0, sh - rh + 1))
+        img = Image.fromarray(src[y : y + rh, x : x + rw]).resize((w, h), Image.LANCZOS)
+        if rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        quality = int(rng.integers(QUALITY[0], QUALITY[1] + 1))
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=quality)
+        yield buf.getvalue(), {"size": (w, h), "quality": quality, "source": i % len(sources)}
+
+
+def shipped_photos() -> list[np.ndarray]:
+    """The colour photographs inside scikit-learn's and scikit-image's installed packages."""
+    import skimage.data
+    from sklearn.datasets import load_sample_images
+
+    photos = [np.asarray(img) for img in load_sample_images().images]  # china.jpg, flower.jpg
+    folder = Path(skimage.data.__file__).parent
+    for file in SKIMAGE_FILES:
+        with Image.open(folder / file) as img:
+            photos.append(np.asarray(img.convert("RGB")))
+    return photos
+
+
+def write_tree(tree: Path, n: int, classes: int = 10) -> float:
+    """n photos as tree/classNN/imgNNNNNN.jpg (class i % classes); returns the mean size in KB."""
+    total = 0
+    for i, (jpg, _) in enumerate(photo_set(shipped_photos(), n)):
+        folder = tree / f"class{i % classes:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+        total += len(jpg)
+    return total / n / 1024
+
+
+if __name__ == "__main__":
+    print(f"{write_tree(Path(sys.argv[1]), int(sys.argv[2])):.1f}")

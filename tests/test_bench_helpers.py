@@ -1,0 +1,69 @@
+"""The benchmark's pure helpers, without the peers or the packages the photographs come from
+(those are only in .bench-venv): bench/photos.py's photo set and bench/peervenv.py's split of
+the peers' requirements."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+
+import numpy as np
+from conftest import ROOT
+from PIL import Image
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+photos, peervenv = load("photos"), load("peervenv")
+
+
+def sources() -> list[np.ndarray]:
+    """Two stand-ins of the packaged photographs' shapes (427x640 and 512x512)."""
+    rng = np.random.default_rng(1)
+    return [
+        rng.integers(0, 256, size=(427, 640, 3), dtype=np.uint8),
+        rng.integers(0, 256, size=(512, 512, 3), dtype=np.uint8),
+    ]
+
+
+def test_photo_set_sizes_aspects_and_qualities():
+    made = list(photos.photo_set(sources(), 40, seed=3))
+    assert len(made) == 40
+    aspects, qualities = set(), set()
+    for jpg, drawn in made:
+        img = Image.open(io.BytesIO(jpg))
+        assert img.format == "JPEG" and img.mode == "RGB"
+        assert img.size == drawn["size"]
+        w, h = img.size
+        assert 300 <= min(w, h) <= 500
+        # The drawn aspect, up to rounding the longer side to whole pixels.
+        assert min(abs(w / h - a) for a in photos.ASPECTS) < 0.01
+        aspects.add(min(photos.ASPECTS, key=lambda a: abs(w / h - a)))
+        assert 75 <= drawn["quality"] <= 95
+        qualities.add(drawn["quality"])
+    # Mixed, as ImageNet's are: landscape, portrait and square among 40 images.
+    assert any(a > 1 for a in aspects) and any(a < 1 for a in aspects) and 1.0 in aspects
+    assert len(qualities) > 5
+    assert {d["source"] for _, d in made} == {0, 1}
+
+
+def test_photo_set_is_deterministic_per_seed():
+    first = [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=7)]
+    assert first == [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=7)]
+    assert first != [jpg for jpg, _ in photos.photo_set(sources(), 5, seed=8)]
+
+
+def test_peer_requirements_build_ffcv_apart():
+    """FFCV compiles against system headers: it gets its own pip step, so that a machine without
+    them still gets the other peers; every other pinned line goes to the first step."""
+    wheels, built = peervenv.split_requirements(peervenv.REQUIREMENTS.read_text())
+    assert built == ["ffcv==1.0.2"]
+    assert "litdata==0.2.76" in wheels and "torch==2.14.1" in wheels
+    assert all("==" in r and not r.startswith("#") for r in wheels)  # all pinned, comments dropped
+    # The torch trap: never 2.13 (its local CPU wheel shadows PyPI's, torchvision breaks on it).
+    assert not [r for r in wheels if r.startswith("torch==2.13")]
