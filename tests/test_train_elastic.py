@@ -72,14 +72,18 @@ def run(nproc: int, workers: int, index: Path, run_dir: Path, trace: Path, *extr
 
 @pytest.mark.parametrize("old,new", [((2, 2), (3, 1)), ((3, 1), (1, 2))], ids=["2x2-3x1", "3x1-1x2"])
 def test_a_resize_delivers_every_sample_of_the_interrupted_epoch_once_but_the_stated_padding(tmp_path, old, new):
-    """One epoch on the old layout, checkpoints after 3 steps and at the epoch's end; each resumed
-    on the new layout for the rest of epoch 0 (mid) or none of it (end), then epoch 1 whole."""
+    """One epoch on the old layout, checkpoints after 3 steps and at the epoch's end; resumed on
+    the new layout for the rest of epoch 0 (mid; and for 2x2 -> 3x1 also from the end: none of
+    it), then epoch 1 whole."""
     index = write_tiny_shards(tmp_path / "train", COUNTS, "train", size=32)
     first = tmp_path / "first"
     k_old = rank_batches(N, old[0], BS, "pad")
     summary = run(*old, index, first, tmp_path / "trace1", "trainer.epochs=1", "trainer.ckpt_every=3", "trainer.keep=9")
     assert summary["rank_steps"] == [k_old] * old[0]
-    for stop, done in (("mid", 3), ("end", k_old)):
+    # At an epoch's end nothing is re-split whatever the layouts: once is enough (a torchrun start
+    # costs ~15 s of the suite's time on 2 cores).
+    stops = (("mid", 3), ("end", k_old)) if old == (2, 2) else (("mid", 3),)
+    for stop, done in stops:
         resumed(tmp_path, index, old, new, stop, done, first / f"ckpt-{done:07d}.pt")
 
 
