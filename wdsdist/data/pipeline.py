@@ -82,6 +82,8 @@ class RankLoader:
     same); in repeat and resampled mode ``iter()`` never ends and the trainer counts steps.
     """
 
+    # Above the size guide on purpose: the loader's stages in the order a batch passes them (the
+    # diagram in this module's docstring), each a line or two; the elastic state is read first.
     def __init__(
         self,
         shards: Sequence[Shard],
