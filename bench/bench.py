@@ -14,7 +14,8 @@ Contenders run in rounds (--repeat), interleaved, and the table gives each one's
 so a slow minute of a shared machine does not land on one contender only. Data (--dataset):
 ``noise``, ImageNet-like JPEGs of textured noise (500x375, quality 90, about 90 KB), and
 ``photos``, crops of the photographs inside scikit-learn's and scikit-image's wheels (shorter
-side 300-500, mixed aspect ratios, quality 75-95; bench/photos.py), each written once as shards
+side 300-500, mixed aspect ratios, quality 75-95, sharpened and grained as a camera does;
+bench/photos.py), each written once as shards
 and as an ImageFolder tree. The peers run in .bench-venv/ (bench/requirements-peers.txt, made
 here when missing or when that file changes; bench/peervenv.py), each converting the images to
 its own format once (cached under the data set's folder, peers/NAME/). Work: RandomResizedCrop
@@ -59,7 +60,7 @@ PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (
 # With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
 WITH_PEERS = ("ours", "limit", "ours-work", *PEERS)
 DATASETS = ("noise", "photos")
-SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95"}
+SIZES = {"noise": "500x375 q90", "photos": "shorter side 300-500, mixed aspect, q75-95, camera grain"}
 LABELS = {
     "ours": "(a) ours: wdsdist training loader",
     "ours-samples": "(a*) ours, loader.split=samples",
@@ -103,6 +104,8 @@ def data_folder(args: argparse.Namespace, dataset: str) -> Path:
 def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
     marker = data / f"ready-{n}.json"
+    if dataset == "photos":  # made anew whenever bench/photos.py draws other images
+        marker = data / f"ready-{n}-{peervenv.file_hash(ROOT / 'bench' / 'photos.py')[:12]}.json"
     if marker.exists():  # (a marker of an older bench.py lacks dataset and size)
         return {"dataset": dataset, "size": SIZES[dataset]} | json.loads(marker.read_text())
     from tqdm import tqdm
@@ -110,6 +113,7 @@ def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
     from wdsdist.data.index import index_path
     from wdsdist.tools.shards import Sample, ShardSink
 
+    shutil.rmtree(data / "peers", ignore_errors=True)  # the peers' copies of images about to be replaced
     if dataset == "photos":
         # The photographs come from packages installed only in .bench-venv.
         print(f"writing {n} photo crops to {data / 'tree'} (in .bench-venv)", file=sys.stderr, flush=True)

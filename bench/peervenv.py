@@ -29,7 +29,7 @@ CHECK = (
 )
 
 
-def _hash(path: Path) -> str:
+def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -47,7 +47,7 @@ def stamp() -> dict | None:
         info = json.loads((VENV / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    return info if info.get("sha256") == _hash(REQUIREMENTS) and python().exists() else None
+    return info if info.get("sha256") == file_hash(REQUIREMENTS) and python().exists() else None
 
 
 def split_requirements(text: str) -> tuple[list[str], list[str]]:
@@ -82,7 +82,7 @@ def ensure(base: str | None = None) -> dict:
             print(f"warning: {req} did not build: {said[0][:300]}", file=sys.stderr)
     torch = subprocess.run([str(python()), "-c", CHECK], check=True, capture_output=True, text=True).stdout.strip()
     info = {
-        "sha256": _hash(REQUIREMENTS),
+        "sha256": file_hash(REQUIREMENTS),
         "install_s": round(time.perf_counter() - start, 1),
         "size_mb": round(_size_mb(VENV)),
         "torch": torch,

@@ -50,6 +50,23 @@ def test_photo_set_sizes_aspects_and_qualities():
     assert any(a > 1 for a in aspects) and any(a < 1 for a in aspects) and 1.0 in aspects
     assert len(qualities) > 5
     assert {d["source"] for _, d in made} == {0, 1}
+    assert all(photos.GRAIN[0] <= d["grain"] <= photos.GRAIN[1] for _, d in made)
+
+
+def test_camera_grain_adds_noise_of_the_drawn_strength():
+    """The grain is what makes the packaged (clean, downscaled) photographs compress like camera
+    JPEGs: a flat grey image comes back with about the drawn luminance spread, and larger."""
+    flat = Image.new("RGB", (400, 300), (128, 128, 128))
+    grained = np.asarray(photos.camera(flat, 8.0, np.random.default_rng(0)), dtype=np.float32)
+    luma = grained.mean(axis=2)
+    assert 7.0 < luma.std() < 10.0  # 8 from the luminance grain, plus the per-channel third averaged
+    assert abs(luma.mean() - 128) < 1
+    size = {}
+    for grain in (0.0, 8.0):
+        buf = io.BytesIO()
+        photos.camera(flat, grain, np.random.default_rng(0)).save(buf, format="JPEG", quality=90)
+        size[grain] = len(buf.getvalue())
+    assert size[8.0] > 5 * size[0.0]
 
 
 def test_photo_set_is_deterministic_per_seed():
