@@ -2,6 +2,9 @@
 a worker never takes a buffer that was not handed back, and never waits for one."""
 
 import itertools
+import multiprocessing
+import os
+import sys
 
 import pytest
 import torch
@@ -135,3 +138,33 @@ def test_plain_copy_and_stack_keep_layouts_and_values():
     mixed = plain_stack([images[0], nchw[1], images[2], nchw[3, :, :, :]])
     assert torch.equal(mixed, nchw)
     assert torch.equal(plain_stack(list(nchw)), nchw) and plain_stack(list(nchw)).is_contiguous()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_buffers_take_memory_only_when_a_worker_writes_them_and_forked_writes_are_seen():
+    """With forked workers the buffers are an anonymous shared mapping: made at once, a page
+    taken only when written (torch's share_memory_ zeroed all 192 MB here before the first
+    batch), and what a forked worker writes is what the main process reads."""
+    assert multiprocessing.get_start_method(allow_none=True) in (None, "fork")
+    before = _rss_bytes()
+    shared = SharedBatches(workers=2, buffers=4, shape=(64, 3, 224, 224), channels_last=True)
+    assert _rss_bytes() - before < 16 << 20  # 2 x 4 x 9.6 MB reserved, almost none of it taken
+    shared.restart(0)
+    pid = os.fork()
+    if pid == 0:  # a worker: fill one buffer, then hand its reference back by exit status
+        try:
+            ref = shared.fill(0, [torch.full((3, 224, 224), 9, dtype=torch.uint8)] * 5)
+            os._exit(ref[2])
+        finally:
+            os._exit(99)
+    _, status = os.waitpid(pid, 0)
+    k = os.waitstatus_to_exitcode(status)
+    assert k == 0  # the lowest free buffer
+    batch = shared.claim((0, 1, k, 5))
+    assert tuple(batch.shape) == (5, 3, 224, 224) and bool((batch == 9).all())
+    assert not bool(shared.buffers[0][1].any())  # another buffer: untouched, zero
