@@ -16,7 +16,7 @@ from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
 from wdsdist.data.resume import ResumePoint
 from wdsdist.data.splits import plan
-from wdsdist.data.stream import shard_order
+from wdsdist.data.stream import _primed, shard_order
 from wdsdist.errors import DataError, UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose
@@ -294,3 +294,29 @@ def test_dsrepeat_shows_every_sample_once_before_any_twice(tiny_shards):
     for keys in per_worker.values():
         assert len(keys) == 36 and len(set(keys)) == 18
         assert len(set(keys[:18])) == 18  # the first pass is complete before the second starts
+
+
+def test_a_worker_makes_its_first_row_when_it_starts_and_keeps_an_error_for_the_first_batch():
+    """A DataLoader worker calls iter() as soon as it starts and then waits for the other workers:
+    the first row is made in that wait. An error is not raised by iter() (a persistent worker's
+    next epoch would die of it) but at the first batch, unchanged."""
+    made = []
+
+    def rows(n, fail=None):
+        for i in range(n):
+            made.append(i)
+            if i == fail:
+                raise DataError(f"bad row {i}")
+            yield i
+
+    primed = _primed(rows(3))
+    assert made == [0]  # made before anything was asked for
+    assert list(primed) == [0, 1, 2]
+    assert list(_primed(rows(0))) == []
+    failing = _primed(rows(3, fail=0))  # no raise here
+    with pytest.raises(DataError, match="bad row 0"):
+        next(failing)
+    later = _primed(rows(3, fail=1))
+    assert next(later) == 0
+    with pytest.raises(DataError, match="bad row 1"):
+        next(later)

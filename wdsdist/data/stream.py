@@ -69,6 +69,27 @@ def iter_shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int,
     return wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length)))
 
 
+def _primed(rows: Iterator[T]) -> Iterator[T]:
+    """``rows`` with its first row made now. A DataLoader worker calls ``iter()`` as soon as it
+    starts, then waits until every other worker has started and it is asked for a batch: the
+    first row (its shard opened, the shuffle buffer's first fill read, one sample decoded) is
+    made in that wait instead of after it. An error it meets is raised when the first batch is
+    asked for, as before: the DataLoader catches one raised by ``iter()`` only when a worker
+    starts, not when a persistent worker begins its next epoch."""
+    try:
+        first = next(rows)
+    except StopIteration:
+        return iter(())
+    except Exception as exc:  # noqa: BLE001 (raised again, unchanged, at the first batch)
+        return _raise_later(exc)
+    return itertools.chain((first,), rows)
+
+
+def _raise_later(exc: Exception) -> Iterator:
+    raise exc
+    yield  # a generator: the raise waits for the first next()
+
+
 class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 
@@ -229,6 +250,8 @@ class ShardStream(IterableDataset):
             shared.restart(worker)
         collation = functools.partial(collate, shared=shared, worker=worker)
         rows = self._rows(worker, nworkers, skips, decode)
+        if info is not None:
+            rows = _primed(rows)
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(self, worker: int, nworkers: int, skips: dict, decode: Callable) -> Iterator[tuple]:
