@@ -21,7 +21,8 @@ checkpoint's loader states, and RankLoader and the trainer resume from the resul
     numbers maps seq to pos (tests/test_sample_split.py holds this). A shard that fails mid-span
     leaves a placeholder at each position it did not deliver (stream.FAILED), so the stream keeps
     its length and its shuffle; placeholders and undecodable samples ride on the next row as
-    skipped seqs, which the tracker counts consumed.
+    runs of skipped seqs, which the tracker counts consumed (as runs: an index may claim
+    millions of samples a shard does not hold).
   - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
     [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
     ranges and the scattered pending points). They are one shorter sequence of M samples, split
@@ -162,8 +163,10 @@ class ConsumedTracker:
                 entry[2].add(first)
             else:
                 entry[3].append((first, stop))
-            return
-        self._advance(entry, stop)
+        elif entry[2] or entry[3]:
+            self._advance(entry, stop)
+        else:
+            entry[1] = stop  # in order, nothing beyond: most rows
 
     @staticmethod
     def _advance(entry: list, to: int = 0) -> None:
@@ -180,6 +183,8 @@ class ConsumedTracker:
             runs[:] = [r for r in runs if r[0] > entry[1]]
             entry[1] = max(entry[1], *(b for _, b in reached))
         # O(min(seen, prefix moved)): a run may jump the prefix by millions
+        if not seen:
+            return
         if entry[1] - begin < len(seen):
             seen.difference_update(range(begin, entry[1]))
         else:
