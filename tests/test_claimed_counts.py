@@ -10,12 +10,13 @@ import json
 import pytest
 import torch
 
-from tests.conftest import one_error_line, run_script
+from tests.test_simdist_cli import simdist as simdist_script
 from wdsdist.data import shardspec
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
-from wdsdist.errors import UserError
+from wdsdist.data.stream import shard_order, shuffled_offsets
+from wdsdist.errors import UserError, run_cli
 
 CLAIMED = 200_000  # what the index says the middle shard holds; it holds 10
 
@@ -56,6 +57,17 @@ def test_a_shard_short_of_its_claimed_count_costs_a_row_one_run_and_the_state_a_
     point = ResumePoint.from_state(state["point"])
     assert consumed(point, 0, 0, CLAIMED // 2)
     assert bool(point.runs) == bool(cross)
+    # An elastic resume maps the state to the epoch's positions (replaying the shuffle): they
+    # are what was delivered, and the gap.
+    assert shard_order(range(3), c.seed, 0, 1) == [0, 1, 2]
+    keys = [f"s{i:07d}" for i in range(26)]
+    sequence = keys[:17] + [None] * (CLAIMED - 10) + keys[17:]  # None: the positions the shard lacks
+    (progress,) = saved_progress(
+        [point], 0, whole_epoch(len(sequence)), 1, c.batch_size, "pad",
+        lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n),
+    )  # fmt: skip
+    taken = [sequence[p] for a, b in progress.consumed() for p in range(a, b)]
+    assert set(taken) - {None} == {k for b in before for k in b["key"]} and taken.count(None) > CLAIMED - 100
     after = list(make_loader(shards, 0, 1, c, state))
     runs = [r for b in before + after for row in b["skipped"] for r in row]
     assert all(len(row) <= 1 for b in after for row in b["skipped"])
@@ -109,7 +121,7 @@ def write_index(folder, *entries):
     return path
 
 
-def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_refused_in_one_line(tiny_shards):
+def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_refused_in_one_line(tiny_shards, capsys):
     folder = tiny_shards([5, 5]).parent
     size = (folder / "tiny-000001.tar").stat().st_size
     fits = size // 512  # each sample takes at least one 512-byte header
@@ -124,9 +136,10 @@ def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_refused_in_
         f"(each sample takes at least one 512-byte tar header: at most {fits}); a stale or hostile index? "
         f"(rewrite it: makeshards.py --index SHARDS)"
     )
-    proc = run_script("simdist.py", "--plan", "--shards", str(index), "--size", "2", "--nworkers", "1")
-    assert proc.returncode == 2
-    assert one_error_line(proc) == f"error: {err.value}"
+    # What simdist.py (and train.py) print: one line, exit 2.
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: simdist_script.main(["--plan", "--shards", str(index), "--size", "2", "--nworkers", "1"]))
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {err.value}\n"
     # A missing shard and one that is no tar keep failing when read (skipped and counted), as
     # any bad shard; their claims are held to the cap.
     (folder / "garbage.tar").write_bytes(b"not a tar" * 100)
