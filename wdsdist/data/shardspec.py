@@ -35,9 +35,9 @@ MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is no
 MAX_INDEX_OFFSETS = 1 << 21
 MAX_SHARD_BYTES = 1 << 50  # an offset beyond a PiB is no tar shard's
 # The most samples an index may claim for one shard. With loader.split=samples each position a
-# shard does not deliver is a placeholder the loader passes (~3 us each), so a claim is time
+# shard does not deliver is a placeholder the loader passes (2-3 us each), so a claim is time
 # spent: 16.7 M samples take >= 8 GiB of tar headers alone, more than any shard we know of
-# holds, and the loader passes them in about a minute. Local plain tars are held to their size.
+# holds, and the loader passes them in under a minute. Local plain tars are held to their size.
 MAX_SHARD_SAMPLES = 1 << 24
 _BLOCK = 512  # tar's block: every header starts on one
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
