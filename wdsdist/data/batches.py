@@ -18,7 +18,7 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     would cost a shared-memory file of its own); ``finish_batches`` makes tensors of them."""
     images, labels, ids, bad, keys, *rest = zip(*rows, strict=True)
     skipped = rest[0] if rest else ((),) * len(rows)
-    # skipped: per row, the (epoch, seq) its worker skipped before it (bad or missing samples)
+    # skipped: per row, the runs (epoch, first seq, stop) its worker skipped before it (bad or missing samples)
     batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad, "skipped": skipped}
     ref = shared.fill(worker, list(images)) if shared is not None else None
     if ref is not None:

@@ -218,7 +218,7 @@ class RankLoader:
             # An epoch under way that was re-split on resume: a later resume (same layout or not)
             # goes on from its positions, not the whole epoch's. In repeat mode an epoch stays
             # until every worker has moved past it.
-            epochs = [e for e, _, _ in self.tracker.open.values()]
+            epochs = [entry[0] for entry in self.tracker.open.values()]
             low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
             elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
             if elastic:

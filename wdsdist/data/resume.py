@@ -21,7 +21,8 @@ checkpoint's loader states, and RankLoader and the trainer resume from the resul
     numbers maps seq to pos (tests/test_sample_split.py holds this). A shard that fails mid-span
     leaves a placeholder at each position it did not deliver (stream.FAILED), so the stream keeps
     its length and its shuffle; placeholders and undecodable samples ride on the next row as
-    skipped seqs, which the tracker counts consumed.
+    runs of skipped seqs, which the tracker counts consumed (as runs: an index may claim
+    millions of samples a shard does not hold).
   - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
     [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
     ranges and the scattered pending points). They are one shorter sequence of M samples, split
@@ -50,10 +51,15 @@ if TYPE_CHECKING:
     import torch
 
 
+Run = tuple[int, int]  # seqs [first, stop) of one worker's stream
+
+
 @dataclass
 class ResumePoint:
     """Where each worker of a rank stands: for each epoch it has begun and not left behind,
-    every sample before ``start`` and every one listed in ``skip`` was consumed.
+    every sample before ``start``, every one listed in ``skip`` and every one in ``runs``
+    (seqs [first, stop) skipped in a row, e.g. the positions of a shard that came short of its
+    count) was consumed.
 
     In epoch mode every worker is in ``epoch``. In repeat mode a worker runs from one epoch
     into the next without stopping (a batch may hold the end of one and the start of the next),
@@ -62,14 +68,22 @@ class ResumePoint:
 
     epoch: int
     workers: dict[int, dict[int, tuple[int, frozenset[int]]]] = field(default_factory=dict)
+    # worker -> epoch -> sorted disjoint runs beyond its start: an index may claim millions of
+    # samples a shard does not hold, so they stay runs, never a set of every seq
+    runs: dict[int, dict[int, tuple[Run, ...]]] = field(default_factory=dict)
 
     def state(self) -> dict:
-        return {
+        state: dict = {
             "epoch": self.epoch,
             "workers": {
                 str(w): {str(e): [s, sorted(k)] for e, (s, k) in epochs.items()} for w, epochs in self.workers.items()
             },
         }
+        runs = {str(w): {str(e): [list(r) for r in rs] for e, rs in eps.items() if rs} for w, eps in self.runs.items()}
+        runs = {w: eps for w, eps in runs.items() if eps}
+        if runs:
+            state["runs"] = runs
+        return state
 
     @classmethod
     def from_state(cls, state: dict) -> ResumePoint:
@@ -78,10 +92,17 @@ class ResumePoint:
             if isinstance(entry, list):  # written before workers had epochs of their own: [start, skip]
                 entry = {str(epoch): entry}
             workers[int(w)] = {int(e): (int(s), frozenset(int(i) for i in k)) for e, (s, k) in entry.items()}
-        return cls(epoch, workers)
+        runs = {
+            int(w): {int(e): tuple(merge_ranges((int(a), int(b)) for a, b in rs)) for e, rs in eps.items()}
+            for w, eps in state.get("runs", {}).items()
+        }
+        return cls(epoch, workers, runs)
 
     def first_epoch(self, worker: int) -> int:
         return min(self.workers.get(worker) or [self.epoch])
+
+    def runs_of(self, worker: int, epoch: int) -> tuple[Run, ...]:
+        return self.runs.get(worker, {}).get(epoch, ())
 
 
 class ConsumedTracker:
@@ -91,47 +112,88 @@ class ConsumedTracker:
     in order, and the cross-worker shuffle empties at each epoch's end), so once its next epoch
     shows, the one before is done and forgotten: a resumed worker would otherwise read through
     it again.
+
+    Per worker it keeps its epoch, the consumed prefix [0, start) of its seqs, the seqs consumed
+    beyond it (``seen``: at most what the shuffle buffers and batches in flight hold back) and
+    the skipped runs beyond it (``runs``: one per row that overtook an earlier row of its
+    worker, whatever the run's length). A run that reaches the prefix moves it in one step.
     """
 
     def __init__(self, epoch: int):
         self.base = epoch  # where a worker that delivered nothing yet starts
         self.epoch = epoch  # the newest epoch consumed from (epoch mode: the epoch)
         self.batches = 0  # batches consumed since self.epoch began (counts in epoch mode)
-        self.open: dict[int, list] = {}  # worker -> [its epoch, start, seen beyond start]
+        self.open: dict[int, list] = {}  # worker -> [its epoch, start, seen beyond start, runs beyond start]
 
     def load(self, point: ResumePoint, batches: int) -> None:
         self.base = self.epoch = point.epoch
         self.batches = batches
-        self.open = {w: [e, s, set(k)] for w, eps in point.workers.items() for e, (s, k) in eps.items()}
+        self.open = {
+            w: [e, s, set(k), list(point.runs_of(w, e))]
+            for w, epochs in point.workers.items()
+            for e, (s, k) in epochs.items()
+        }
+        for entry in self.open.values():
+            self._advance(entry)
 
-    def update(self, ids: torch.Tensor, skipped: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
-        """Count a batch consumed: its rows' ids, and per row the (epoch, seq) its worker skipped
-        before it (bad samples, positions of a failed shard), which are consumed too."""
+    def update(self, ids: torch.Tensor, skipped: Sequence[Sequence[tuple[int, int, int]]] | None = None) -> None:
+        """Count a batch consumed: its rows' ids, and per row the runs (epoch, first seq, stop) its
+        worker skipped before it (bad samples, positions of a failed or short shard), which are
+        consumed too."""
         rows = ids.tolist()
         newest = max(e for e, _, _ in rows)
         if newest > self.epoch:
             self.epoch, self.batches = newest, 0
         self.batches += 1
         for i, (epoch, worker, seq) in enumerate(rows):
-            for before, skipped_seq in skipped[i] if skipped else ():
-                self._consume(before, worker, skipped_seq)
-            self._consume(epoch, worker, seq)
+            for before, first, stop in skipped[i] if skipped else ():
+                self._consume(before, worker, first, stop)
+            self._consume(epoch, worker, seq, seq + 1)
 
-    def _consume(self, epoch: int, worker: int, seq: int) -> None:
+    def _consume(self, epoch: int, worker: int, first: int, stop: int) -> None:
         entry = self.open.get(worker)
         if entry is None or epoch > entry[0]:
-            entry = self.open[worker] = [epoch, 0, set()]
+            entry = self.open[worker] = [epoch, 0, set(), []]
         elif epoch < entry[0]:
             return  # an epoch this worker has left behind
-        seen = entry[2]
-        seen.add(seq)
-        while entry[1] in seen:
-            seen.discard(entry[1])
-            entry[1] += 1
+        if stop <= entry[1]:
+            return  # consumed already (a run may hold seqs a resumed worker passed over)
+        if first > entry[1]:
+            if stop - first == 1:
+                entry[2].add(first)
+            else:
+                entry[3].append((first, stop))
+        elif entry[2] or entry[3]:
+            self._advance(entry, stop)
+        else:
+            entry[1] = stop  # in order, nothing beyond: most rows
+
+    @staticmethod
+    def _advance(entry: list, to: int = 0) -> None:
+        """Move the prefix to ``to`` at least, then over the seen seqs and runs that touch it, and
+        forget what it passed."""
+        begin, seen, runs = entry[1], entry[2], entry[3]
+        entry[1] = max(begin, to)
+        while True:
+            while entry[1] in seen:
+                entry[1] += 1
+            reached = [r for r in runs if r[0] <= entry[1]] if runs else None
+            if not reached:
+                break
+            runs[:] = [r for r in runs if r[0] > entry[1]]
+            entry[1] = max(entry[1], *(b for _, b in reached))
+        # O(min(seen, prefix moved)): a run may jump the prefix by millions
+        if not seen:
+            return
+        if entry[1] - begin < len(seen):
+            seen.difference_update(range(begin, entry[1]))
+        else:
+            entry[2] = {s for s in seen if s >= entry[1]}
 
     def point(self) -> ResumePoint:
-        workers = {w: {e: (s, frozenset(k))} for w, (e, s, k) in self.open.items()}
-        return ResumePoint(self.base, workers)
+        workers = {w: {e: (s, frozenset(k))} for w, (e, s, k, _) in self.open.items()}
+        runs = {w: {e: merge_ranges(r)} for w, (e, _, _, r) in self.open.items() if r}
+        return ResumePoint(self.base, workers, runs)
 
 
 # ---------------------------------------------------------------- elastic resume: pure functions
@@ -218,6 +280,7 @@ class WorkerProgress:
     start: int
     done: int
     beyond: frozenset[int] = frozenset()
+    runs: tuple[tuple[int, int], ...] = ()  # [a, b) consumed beyond ``done`` (skipped in a row)
 
     def consumed(self) -> list[tuple[int, int]]:
         # Runs of consecutive points as one range: behind a shuffle buffer's oldest pending item
@@ -228,6 +291,8 @@ class WorkerProgress:
                 out[-1] = (out[-1][0], p + 1)
             else:
                 out.append((p, p + 1))
+        if self.runs:
+            return list(merge_ranges([*out, *self.runs])) or out[:1]
         return out
 
 
@@ -315,12 +380,16 @@ def saved_progress(
             epochs = point.workers.get(worker, {})
             if epoch in epochs:
                 done, beyond = epochs[epoch]
+                runs = point.runs_of(worker, epoch)
                 if order is None:
-                    out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond)))
+                    shifted = tuple((start + a, start + b) for a, b in runs)
+                    out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond), shifted))
                     continue
                 # The replay runs only as far as the last seq consumed (half the cost mid-epoch).
-                offsets = list(itertools.islice(order(rank, worker, stop - start), max([done - 1, *beyond]) + 1))
-                taken = sorted(offsets[:done] + [offsets[s] for s in beyond])
+                last = max([done - 1, *beyond, *(b - 1 for _, b in runs)])
+                offsets = list(itertools.islice(order(rank, worker, stop - start), last + 1))
+                in_runs = (offsets[s] for a, b in runs for s in range(a, min(b, len(offsets))))
+                taken = sorted({*offsets[:done], *(offsets[s] for s in beyond), *in_runs})
                 prefix = 0
                 while prefix < len(taken) and taken[prefix] == prefix:
                     prefix += 1

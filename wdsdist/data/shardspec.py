@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import stat
 import sys
 import urllib.parse
 from collections.abc import Sequence
@@ -33,6 +34,11 @@ MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is no
 # in each process); an index with more is read without them, with a warning.
 MAX_INDEX_OFFSETS = 1 << 21
 MAX_SHARD_BYTES = 1 << 50  # an offset beyond a PiB is no tar shard's
+# The most samples an index may claim for one shard. With loader.split=samples each position a
+# shard does not deliver is a placeholder the loader passes (2-3 us each), so a claim is time
+# spent: 16.7 M samples take >= 8 GiB of tar headers alone, more than any shard we know of
+# holds, and the loader passes them in under a minute. Local plain tars are held to their size.
+MAX_SHARD_SAMPLES = 1 << 24
 _BLOCK = 512  # tar's block: every header starts on one
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -203,8 +209,41 @@ def _entry(index_url: str, i: int, entry: object, access: Access) -> Shard:
         raise UserError(f'{where}: "url" must be a non-empty string, got {_short(url)}')
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise UserError(f'{where}: "nsamples" must be an integer >= 0, got {_short(n)}')
+    if n > MAX_SHARD_SAMPLES:
+        raise UserError(
+            f"{where}: {url!r}: nsamples {n} is more than the {MAX_SHARD_SAMPLES} samples a shard may claim "
+            f"(a corrupt or hostile index?)"
+        )
     offsets = _offsets(where, entry["offsets"], n) if "offsets" in entry else None
-    return Shard(_entry_url(index_url, i, url, access), n, offsets)
+    path = _entry_url(index_url, i, url, access)
+    _check_fits(where, url, path, n)
+    return Shard(path, n, offsets)
+
+
+def _check_fits(where: str, url: str, path: str, n: int) -> None:
+    """Refuse a local plain tar whose count cannot fit in its size: every sample takes at least
+    one 512-byte header, and each position a shard does not deliver costs the loader time
+    (split=samples passes a placeholder for it). A missing file, or one that is no plain tar
+    (garbage, compressed), is left to fail or be read when opened, as any bad shard."""
+    if _SCHEME.match(path) or path.startswith("pipe:"):
+        return
+    try:
+        info = os.stat(path)
+        size = info.st_size
+        if n <= size // _BLOCK or not stat.S_ISREG(info.st_mode):
+            return
+        with open(path, "rb") as f:
+            head = f.read(_BLOCK)
+    except OSError:
+        return
+    from wdsdist.data.tarread import is_tar_header  # tarread imports this module
+
+    if is_tar_header(head):
+        raise UserError(
+            f"{where}: {url!r}: nsamples {n} cannot fit in its {size} bytes (each sample takes at least one "
+            f"{_BLOCK}-byte tar header: at most {size // _BLOCK}); a stale or hostile index? "
+            f"(rewrite it: makeshards.py --index SHARDS)"
+        )
 
 
 def _is_int(value: object) -> bool:

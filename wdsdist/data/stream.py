@@ -90,6 +90,15 @@ def _raise_later(exc: Exception) -> Iterator:
     yield  # a generator: the raise waits for the first next()
 
 
+def _skip(skipped: list[list[int]], epoch: int, seq: int) -> None:
+    """Add a skipped seq to the [epoch, first, stop] runs skipped since the last row: every seq
+    between it and the last run's end of the same epoch was passed over (consumed already)."""
+    if skipped and skipped[-1][0] == epoch:
+        skipped[-1][2] = seq + 1
+    else:
+        skipped.append([epoch, seq, seq + 1])
+
+
 class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 
@@ -235,10 +244,10 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
         cfg = self.cfg
-        partial, skips = cfg.partial, {}
+        partial, skips, runs = cfg.partial, {}, {}
         if self.resume is not None:
             self.epoch = self.resume.first_epoch(worker) - 1
-            skips = self.resume.workers.get(worker, {})
+            skips, runs = self.resume.workers.get(worker, {}), self.resume.runs.get(worker, {})
             # Re-batched ranks keep every remaining sample so the epoch's count still holds.
             partial = partial or cfg.rebatch
             self.resume = None
@@ -249,32 +258,42 @@ class ShardStream(IterableDataset):
         if shared is not None:
             shared.restart(worker)
         collation = functools.partial(collate, shared=shared, worker=worker)
-        rows = self._rows(worker, nworkers, skips, decode)
+        rows = self._rows(worker, nworkers, skips, decode, runs)
         if info is not None:
             rows = _primed(rows)
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
-    def _rows(self, worker: int, nworkers: int, skips: dict, decode: Callable) -> Iterator[tuple]:
-        """(image, label, id, skips before it, key, seqs skipped before it) rows, epoch after epoch;
-        the samples a resumed worker had delivered (``skips``) are passed over before decoding.
+    def _rows(
+        self, worker: int, nworkers: int, skips: dict, decode: Callable, runs: dict | None = None
+    ) -> Iterator[tuple]:
+        """(image, label, id, skips before it, key, runs skipped before it) rows, epoch after epoch;
+        the samples a resumed worker had delivered (``skips``, and ``runs``: epoch -> sorted runs
+        [first, stop) of seqs) are passed over before decoding.
 
-        A sample that fails to decode and a FAILED placeholder are skipped, and their (epoch, seq)
-        ride on the next row, so the tracker counts them consumed: a hole would otherwise stop
-        the worker's consumed prefix there and every later seq would pile into its skip set."""
+        A sample that fails to decode and a FAILED placeholder are skipped, and ride on the next
+        row as a run (epoch, first seq, stop), so the tracker counts them consumed: a hole would
+        otherwise stop the worker's consumed prefix there and every later seq would pile into
+        its skip set. Every seq between two rows of one epoch is skipped or was consumed before
+        (passed over on resume), so one run per epoch covers them: a shard whose index claims
+        millions of samples it does not hold costs a row three numbers, not millions."""
         cfg = self.cfg
+        runs = runs or {}
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
-        skipped: list[tuple[int, int]] = []  # (epoch, seq) skipped since the last row
+        skipped: list[list[int]] = []  # [epoch, first seq, stop] runs skipped since the last row
         while True:
             self.epoch += 1
             epoch = self.epoch
             start, skip = skips.get(epoch, (0, frozenset()))
+            passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
             for seq, sample in enumerate(self._samples(worker, nworkers, epoch, bad)):
-                if seq < start or seq in skip:
+                while passed and passed[-1][1] <= seq:
+                    passed.pop()
+                if seq < start or seq in skip or passed and passed[-1][0] <= seq:
                     continue
                 seen += 1
                 if FAILED in sample:  # its shard's failure is counted and warned about already
-                    skipped.append((epoch, seq))
+                    _skip(skipped, epoch, seq)
                     continue
                 try:
                     image, label = decode(sample)
@@ -283,16 +302,16 @@ class ShardStream(IterableDataset):
                         raise
                     warn_skip(error)
                     bad[0] += 1
-                    skipped.append((epoch, seq))
+                    _skip(skipped, epoch, seq)
                     continue
                 key = sample["__key__"] if cfg.with_keys else None
                 ids = (epoch, worker, seq, sample.get(POSITION, -1))
-                yield image, label, ids, tuple(bad), key, tuple(skipped)
+                yield image, label, ids, tuple(bad), key, tuple(tuple(r) for r in skipped)
                 bad[:] = [0, 0]
                 skipped = []
                 produced += 1
             # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
-            if not produced and start == 0 and not skip and (seen or not cfg.by_samples):
+            if not produced and start == 0 and not skip and not runs.get(epoch) and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.
                 raise DataError(
                     f"rank {self.rank} worker {worker} read no sample from its shards "

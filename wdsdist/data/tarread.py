@@ -94,6 +94,12 @@ def _valid(header: bytes) -> bool:
     return stored == sum(_SIGNED.unpack_from(header)) + 256
 
 
+def is_tar_header(block: bytes) -> bool:
+    """Whether a file's first 512 bytes are a plain tar's header (not a compressed stream's
+    start, not garbage)."""
+    return len(block) == 512 and _valid(block)
+
+
 def _number(field: bytes) -> int:
     if field[0] == 0x80:  # GNU base-256, for members of 8 GiB and more
         return int.from_bytes(field[1:], "big")
