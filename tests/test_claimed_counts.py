@@ -10,13 +10,12 @@ import json
 import pytest
 import torch
 
-from tests.test_simdist_cli import simdist as simdist_script
 from wdsdist.data import shardspec
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
 from wdsdist.data.stream import shard_order, shuffled_offsets
-from wdsdist.errors import UserError, run_cli
+from wdsdist.errors import UserError
 
 CLAIMED = 200_000  # what the index says the middle shard holds; it holds 10
 
@@ -121,25 +120,24 @@ def write_index(folder, *entries):
     return path
 
 
-def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_refused_in_one_line(tiny_shards, capsys):
+def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_warned_of_in_one_line(tiny_shards, capsys):
+    """A claim a local tar cannot hold (cut short, or a stale index) is one bad file: one warning
+    line at load naming it and the numbers, and the run goes on (the shard is read as far as it
+    goes, the rest skipped and counted)."""
     folder = tiny_shards([5, 5]).parent
     size = (folder / "tiny-000001.tar").stat().st_size
     fits = size // 512  # each sample takes at least one 512-byte header
     good = {"url": "tiny-000000.tar", "nsamples": 5}
     index = write_index(folder, good, {"url": "tiny-000001.tar", "nsamples": fits})
     assert [s.nsamples for s in shardspec.expand(str(index))] == [5, fits]
+    assert capsys.readouterr().err == ""
     index = write_index(folder, good, {"url": "tiny-000001.tar", "nsamples": 50_000_000 // 4})
-    with pytest.raises(UserError) as err:
-        shardspec.expand(str(index))
-    assert str(err.value) == (
-        f"{index}: shardlist[1]: 'tiny-000001.tar': nsamples 12500000 cannot fit in its {size} bytes "
-        f"(each sample takes at least one 512-byte tar header: at most {fits}); a stale or hostile index? "
-        f"(rewrite it: makeshards.py --index SHARDS)"
+    assert [s.nsamples for s in shardspec.expand(str(index))] == [5, 12_500_000]
+    assert capsys.readouterr().err == (
+        f"warning: {index}: shardlist[1]: 'tiny-000001.tar': nsamples 12500000 cannot fit in its {size} bytes "
+        f"(each sample takes at least one 512-byte tar header: at most {fits}): the shard is cut short or the "
+        f"index stale (rewrite it: makeshards.py --index SHARDS); what it lacks is skipped and counted\n"
     )
-    # What simdist.py (and train.py) print: one line, exit 2.
-    with pytest.raises(SystemExit) as exit_:
-        run_cli(lambda: simdist_script.main(["--plan", "--shards", str(index), "--size", "2", "--nworkers", "1"]))
-    assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {err.value}\n"
     # A missing shard and one that is no tar keep failing when read (skipped and counted), as
     # any bad shard; their claims are held to the cap.
     (folder / "garbage.tar").write_bytes(b"not a tar" * 100)
@@ -147,6 +145,7 @@ def test_an_index_claiming_more_samples_than_a_local_tar_can_hold_is_refused_in_
         folder, good, {"url": "missing.tar", "nsamples": 100_000}, {"url": "garbage.tar", "nsamples": 100_000}
     )
     assert [s.nsamples for s in shardspec.expand(str(index))] == [5, 100_000, 100_000]
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9/x.tar", "s3://bucket/x.tar", "missing.tar"])

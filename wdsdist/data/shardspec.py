@@ -37,7 +37,8 @@ MAX_SHARD_BYTES = 1 << 50  # an offset beyond a PiB is no tar shard's
 # The most samples an index may claim for one shard. With loader.split=samples each position a
 # shard does not deliver is a placeholder the loader passes (2-3 us each), so a claim is time
 # spent: 16.7 M samples take >= 8 GiB of tar headers alone, more than any shard we know of
-# holds, and the loader passes them in under a minute. Local plain tars are held to their size.
+# holds, and the loader passes them in under a minute. A local plain tar too small for its claim is
+# warned of.
 MAX_SHARD_SAMPLES = 1 << 24
 _BLOCK = 512  # tar's block: every header starts on one
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -221,10 +222,11 @@ def _entry(index_url: str, i: int, entry: object, access: Access) -> Shard:
 
 
 def _check_fits(where: str, url: str, path: str, n: int) -> None:
-    """Refuse a local plain tar whose count cannot fit in its size: every sample takes at least
-    one 512-byte header, and each position a shard does not deliver costs the loader time
-    (split=samples passes a placeholder for it). A missing file, or one that is no plain tar
-    (garbage, compressed), is left to fail or be read when opened, as any bad shard."""
+    """Warn of a local plain tar whose count cannot fit in its size: every sample takes at least
+    one 512-byte header. The shard is then short (cut, or the index stale), which is one bad file:
+    it is read as far as it goes and the rest skipped and counted, as when it is found short
+    while read, and the cap above bounds what its missing positions cost. A missing file, or one
+    that is no plain tar (garbage, compressed), is left to fail or be read when opened."""
     if _SCHEME.match(path) or path.startswith("pipe:"):
         return
     try:
@@ -239,10 +241,12 @@ def _check_fits(where: str, url: str, path: str, n: int) -> None:
     from wdsdist.data.tarread import is_tar_header  # tarread imports this module
 
     if is_tar_header(head):
-        raise UserError(
-            f"{where}: {url!r}: nsamples {n} cannot fit in its {size} bytes (each sample takes at least one "
-            f"{_BLOCK}-byte tar header: at most {size // _BLOCK}); a stale or hostile index? "
-            f"(rewrite it: makeshards.py --index SHARDS)"
+        print(
+            f"warning: {where}: {url!r}: nsamples {n} cannot fit in its {size} bytes (each sample takes at "
+            f"least one {_BLOCK}-byte tar header: at most {size // _BLOCK}): the shard is cut short or the index "
+            f"stale (rewrite it: makeshards.py --index SHARDS); what it lacks is skipped and counted",
+            file=sys.stderr,
+            flush=True,
         )
 
 
