@@ -6,7 +6,9 @@ Streaming, LitData, DALI on the CPU, FFCV, wids). Run with ``./run bench.py`` (s
 The limit (d) is torchvision's whole decode + RandomResizedCrop + flip in a loop, no loader:
 what every loader decoding whole images can reach. Ours decodes only the crop's region
 (wdsdist/jpegcrop), so it also runs (a'') with whole-image decoding, and (e) its own
-per-sample work in a loop: (a)/(e) is what the loader keeps of its workers' cores.
+per-sample work in a loop: (a)/(e) is what the loader keeps of its workers' cores. (e') runs
+that loop in W processes at once, as the loader's W workers run: on a shared machine two busy
+cores give less than twice one busy core, and (a)/(e') keeps that out of the loader's account.
 
 Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
 process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
