@@ -9,12 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import webdataset as wds
 
 from wdsdist.data.index import index_path, write_index
 from wdsdist.tools import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# One intra-op thread per torch process, here and in every process a test starts (they inherit
+# the environment): the suite runs a pytest worker per core, each starting trainers and loader
+# workers, and OpenMP threads spinning for cores the other processes hold made a tiny ResNet's
+# steps 3-4x slower (a 4-step train run: 33 s with 2 threads, 14 s with 1 on this 2-core machine).
+os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or "1"
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process imported torch already (webdataset)
 
 
 def jpeg(index: int, size: int = 8) -> tuple[bytes, int]:
