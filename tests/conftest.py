@@ -104,12 +104,14 @@ def _answer(server: subprocess.Popen, timeout: float | None) -> int | None:
     return int(line)
 
 
-def run_script(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a top-level script of the project (or python -c CODE ARGS) with the venv's Python,
+def run_script(
+    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run a top-level script of the project (or -c CODE ARGS, or the venv's torchrun) with the venv's Python,
     capturing its output. The process is forked from a Python that has torch, torchvision,
     webdataset and Hydra imported (tests/preloaded.py): a fresh process in all else, seconds
     sooner."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     server = _preloaded_python()
     with tempfile.TemporaryDirectory(prefix="run_script-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"

@@ -14,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
+from tests.conftest import one_error_line, run_script, write_tiny_shards
 
 VAL_COUNTS = [7, 13, 5, 11, 9]  # 45 samples: unequal per rank and per worker, partial batches
 TRAIN_COUNTS = [24] * 4
@@ -71,10 +71,10 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    """The venv's torchrun (its launcher forked from the preloaded Python; the ranks fresh)."""
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    return subprocess.run([*cmd, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_script(*cmd, "train.py", *args, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def load(path: Path) -> dict:
