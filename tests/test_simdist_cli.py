@@ -18,6 +18,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import simdist  # noqa: E402  (the top-level script)
+from tests.conftest import run_script  # noqa: E402
 from wdsdist.errors import UserError  # noqa: E402
 
 
@@ -28,10 +29,7 @@ def cache(tmp_path_factory) -> str:
 
 def cli(*args: str, cache: str | None = None) -> subprocess.CompletedProcess:
     extra = ["--cache", cache] if cache else []
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(
-        [sys.executable, "simdist.py", *args, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_script("simdist.py", *args, *extra)
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:

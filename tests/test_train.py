@@ -14,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
+from tests.conftest import one_error_line, run_script, write_tiny_shards
 
 VAL_COUNTS = [7, 13, 5, 11, 9]  # 45 samples: unequal per rank and per worker, partial batches
 TRAIN_COUNTS = [24] * 4
@@ -71,10 +71,10 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    """The venv's torchrun (its launcher forked from the preloaded Python; the ranks fresh)."""
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    return subprocess.run([*cmd, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_script(*cmd, "train.py", *args, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def load(path: Path) -> dict:
@@ -97,11 +97,18 @@ def assert_same(a, b, where="") -> None:
         assert a == b, where
 
 
-def test_one_process_writes_tensorboard_checkpoints_and_counts_every_val_sample(shards, tmp_path):
+@pytest.fixture(scope="module")
+def one_process_run(shards, tmp_path_factory) -> tuple[Path, dict]:
+    """4 steps on one process, evaluated and saved every 2: its run directory and summary. Tests
+    only read it (a resume writes into its own run directory)."""
+    run = tmp_path_factory.mktemp("one-process") / "run"
+    return run, train(shards, run, "trainer.steps=4", "trainer.eval_every=2", "trainer.ckpt_every=2")
+
+
+def test_one_process_writes_tensorboard_checkpoints_and_counts_every_val_sample(shards, one_process_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = tmp_path / "run"
-    summary = train(shards, run, "trainer.steps=4", "trainer.eval_every=2", "trainer.ckpt_every=2")
+    run, summary = one_process_run
     assert summary["steps"] == 4 and summary["world"] == 1
     assert summary["val_samples"] == sum(VAL_COUNTS)
     assert summary["val_class_samples"] == shards["val_classes"]
@@ -183,13 +190,14 @@ def test_the_learning_rate_of_each_step_is_the_lambdalr_value_it_replaced_bit_fo
         sched.step()
 
 
-def test_a_checkpoint_with_scheduler_state_from_before_resumes_at_this_runs_learning_rate(shards, tmp_path):
+def test_a_checkpoint_with_scheduler_state_from_before_resumes_at_this_runs_learning_rate(
+    shards, one_process_run, tmp_path
+):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from wdsdist.train.model import lr_at
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    train(shards, a, "trainer.steps=4", "trainer.ckpt_every=2")
+    a, b = one_process_run[0], tmp_path / "b"
     # What the trainer wrote before: LambdaLR's state, and its initial_lr in the optimizer's groups
     # (here of another lr: neither may be what the resumed run uses).
     ckpt = load(a / "ckpt-0000002.pt")
