@@ -263,6 +263,8 @@ class ShardStream(IterableDataset):
             rows = _primed(rows)
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
+    # Above the size guide on purpose: the per-sample loop of the hot path, with what it passes over
+    # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _rows(
         self, worker: int, nworkers: int, skips: dict, decode: Callable, runs: dict | None = None
     ) -> Iterator[tuple]:
