@@ -92,6 +92,12 @@ def test_advice_not_divisible_and_cut():
     assert any("--nbatches 40 --dsrepeat 2" in t for t in tips)
 
 
+def test_advice_counts_one_rank_and_one_worker_in_the_singular():
+    tips = simdist.advice(sim_of([100] * 3, size=2, nworkers=1))
+    assert any("3 shards do not divide evenly into 2 ranks x 1 worker = 2 slots" in t for t in tips)
+    assert not any("1 workers" in t or "1 ranks" in t for t in tips)
+
+
 def test_advice_beyond_reach_names_the_dsrepeat_that_works():
     tips = simdist.advice(sim_of([100] * 10, nbatches=75))
     (tip,) = [t for t in tips if "--nbatches 75 is more than" in t]

@@ -205,7 +205,8 @@ def _no_shard_tip(sim: Simulation) -> str | None:
     rank = next(r for r in plan.ranks if len(r.shards) == fewest)
     fix = f"--nworkers {fewest}" if fewest else f"--size {plan.nshards}"
     return (
-        f"rank {rank.rank} gets {plural(fewest, 'shard')} for {plan.nworkers} workers, so a worker gets no shard "
+        f"rank {rank.rank} gets {plural(fewest, 'shard')} for {plural(plan.nworkers, 'worker')}, "
+        f"so a worker gets no shard "
         f"(the training loader refuses that): use {fix}, or at least {slots} shards "
         f"({nearest_divisible(max(plan.nshards, slots), slots)} divide evenly)"
     )
@@ -225,9 +226,9 @@ def _shard_count_tips(sim: Simulation) -> list[str]:
     slots = size * plan.nworkers
     if plan.nshards % slots:
         return [
-            f"{plan.nshards} shards do not divide evenly into {size} ranks x {plan.nworkers} workers = {slots} "
-            f"slots, so ranks get different numbers of shards: {nearest_divisible(plan.nshards, slots)} shards "
-            f"of equal size would divide evenly"
+            f"{plan.nshards} shards do not divide evenly into {plural(size, 'rank')} x "
+            f"{plural(plan.nworkers, 'worker')} = {slots} slots, so ranks get different numbers of shards: "
+            f"{nearest_divisible(plan.nshards, slots)} shards of equal size would divide evenly"
         ]
     if len(set(counts)) > 1:
         return [
