@@ -1,3 +1,5 @@
+# Above the size guide on purpose: the tracker that writes the loader state and the elastic functions
+# that read it (resize_state in elastic.py applies them) share one format, documented once, here.
 """A rank loader's exact position: which samples of which epochs each of its workers delivered.
 
 Every sample carries an id (epoch, worker, position in the worker's shuffled stream); the
@@ -292,7 +294,7 @@ class WorkerProgress:
             else:
                 out.append((p, p + 1))
         if self.runs:
-            return list(merge_ranges([*out, *self.runs])) or out[:1]
+            return list(merge_ranges([*out, *self.runs]))
         return out
 
 

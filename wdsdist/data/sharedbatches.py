@@ -23,6 +23,7 @@ as before, and never waits.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import multiprocessing
 import struct
@@ -115,10 +116,7 @@ def shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
     method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     if method != "fork":
         return torch.empty(shape, dtype=torch.uint8).share_memory_()
-    nbytes = 1
-    for size in shape:
-        nbytes *= size
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape)), dtype=torch.uint8).view(shape)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -97,7 +97,7 @@ def _valid(header: bytes) -> bool:
 def is_tar_header(block: bytes) -> bool:
     """Whether a file's first 512 bytes are a plain tar's header (not a compressed stream's
     start, not garbage)."""
-    return len(block) == 512 and _valid(block)
+    return len(block) == BLOCK and _valid(block)
 
 
 def _number(field: bytes) -> int:
@@ -277,14 +277,14 @@ def tar_samples(
     next sample's first header.
     """
     head = _read_up_to(stream, BLOCK)
-    if not (len(head) == BLOCK and _valid(head)):
+    if not is_tar_header(head):
         unpacked = _decompressed(head, stream)
         if unpacked is not None:
             stream = unpacked
             head = _read_up_to(stream, BLOCK)
     if not head:
         raise tarfile.ReadError("empty file")
-    if not (len(head) == BLOCK and _valid(head)):
+    if not is_tar_header(head):
         raise tarfile.ReadError("invalid header")
     sample: dict | None = None
     for key, suffix, data, _ in _members(stream, head, wanted, max_member, skip, count):
@@ -304,7 +304,7 @@ def sample_offsets(stream) -> list[int] | None:
     member begin), grouped as tar_samples groups them; None where the stream is not a plain tar
     (a compressed shard has no byte offset a reader could seek to)."""
     head = _read_up_to(stream, BLOCK)
-    if not (len(head) == BLOCK and _valid(head)):
+    if not is_tar_header(head):
         return None
     offsets, last = [], None
     for key, _, _, at in _members(stream, head, frozenset(), None):
