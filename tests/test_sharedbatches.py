@@ -105,6 +105,31 @@ def test_cross_worker_shuffle_samples_do_not_keep_their_batch_alive():
     assert batch["id"].tolist() == [[0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 0]] and "key" not in batch
 
 
+def test_claimed_copies_reuse_a_batchs_memory_only_after_the_caller_lets_go_of_it():
+    """The copies go into regions used again once a batch is dropped; a batch the caller keeps,
+    or a view of it, is never written over; at most ``keep`` free regions wait."""
+    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 4, 4), channels_last=True)
+    shared.restart(0)
+    first = shared.claim(shared.fill(0, images(10)))
+    view, where = first[1], first.data_ptr()
+    del first  # the view keeps its storage: the region stays the caller's
+    held = [shared.claim(shared.fill(0, images(20 + 10 * i))) for i in range(4)]
+    assert where not in {b.data_ptr() for b in held} and shared.copies.free_regions() == 0
+    assert view.tolist() == images(10)[1].tolist()
+    assert all(b.tolist() == torch.stack(images(20 + 10 * i)).tolist() for i, b in enumerate(held))
+    assert held[0].is_contiguous(memory_format=torch.channels_last)
+    in_use = {b.data_ptr() for b in held}
+    del held
+    assert shared.copies.free_regions() == 2  # four came back, two are kept
+    again = shared.claim(shared.fill(0, images(70)))
+    assert again.data_ptr() in in_use and again.tolist() == torch.stack(images(70)).tolist()
+    assert shared.copies.free_regions() == 1
+    del view
+    assert shared.copies.free_regions() == 2
+    short = shared.claim(shared.fill(0, images(80, n=2)))  # another size: a region of its own
+    assert tuple(short.shape) == (2, 3, 4, 4) and short.tolist() == torch.stack(images(80, n=2)).tolist()
+
+
 def _distinct(n: int, shape=(3, 5, 7)) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, 255, shape, dtype=torch.uint8, generator=gen) for _ in range(n)]
