@@ -4,6 +4,7 @@ a worker never takes a buffer that was not handed back, and never waits for one.
 import itertools
 import multiprocessing
 import os
+import pickle
 import sys
 
 import pytest
@@ -126,8 +127,14 @@ def test_claimed_copies_reuse_a_batchs_memory_only_after_the_caller_lets_go_of_i
     assert shared.copies.free_regions() == 1
     del view
     assert shared.copies.free_regions() == 2
-    short = shared.claim(shared.fill(0, images(80, n=2)))  # another size: a region of its own
-    assert tuple(short.shape) == (2, 3, 4, 4) and short.tolist() == torch.stack(images(80, n=2)).tolist()
+    # Short batches, a size of their own each: the last two regions back wait, whatever their sizes.
+    for n in (2, 1, 2, 1):
+        short = shared.claim(shared.fill(0, images(80, n=n)))
+        assert tuple(short.shape) == (n, 3, 4, 4) and short.tolist() == torch.stack(images(80, n=n)).tolist()
+        del short
+        assert shared.copies.free_regions() == 2
+    assert sorted(size for size, _ in shared.copies._free) == [48, 96]  # one image: 3 x 4 x 4 bytes
+    assert pickle.loads(pickle.dumps(shared.copies)).free_regions() == 0  # as a spawned worker gets it
 
 
 def _distinct(n: int, shape=(3, 5, 7)) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ import math
 import mmap
 import multiprocessing
 import struct
+import threading
 import weakref
 
 import numpy as np
@@ -139,37 +140,50 @@ class CopyPool:
     the main process's heap over four runs of the same 50 batches here, and 4.0-5.2 ms a copy.
     Here each copy is a region of its own (an anonymous mapping); when the caller drops the last
     tensor that uses it (a view included: it keeps the storage), the region comes back and the
-    next copy of that size goes into its pages, already mapped: 1.1-1.3 ms a copy. At most
-    ``keep`` free regions of a size wait; others are unmapped when they come back. A region in
-    use is never handed out, so a batch the caller keeps is never overwritten.
+    next copy of that size goes into its pages, already mapped: 1.1-1.3 ms a copy. The ``keep``
+    regions that came back last wait, whatever their sizes (an epoch's last, short batch has a
+    size of its own); an older one is unmapped. A region in use is never handed out, so a batch
+    the caller keeps is never overwritten. Regions come back on whichever thread drops a batch.
     """
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: list[tuple[int, mmap.mmap | bytearray]] = []  # (size, region), oldest first
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # a spawned worker gets an empty pool (it never copies out)
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["keep"])
 
     def empty_like(self, source: torch.Tensor) -> torch.Tensor:
         """An uninitialised uint8 tensor of ``source``'s shape and strides (which fill their span)."""
         nbytes = source.numel()
-        free = self._free.get(nbytes)
-        region = free.pop() if free else _new_region(nbytes)
+        with self._lock:
+            at = next((i for i, (size, _) in enumerate(self._free) if size == nbytes), None)
+            region = self._free.pop(at)[1] if at is not None else None
+        if region is None:
+            region = _new_region(nbytes)
         # The tensor's storage keeps this array alive, and the array keeps the region mapped;
         # when the storage goes, the array does, and the region comes back.
         array = np.frombuffer(region, dtype=np.uint8)
         weakref.finalize(array, self._give_back, nbytes, region).atexit = False
         return torch.from_numpy(array).as_strided(source.shape, source.stride())
 
-    def _give_back(self, nbytes: int, region: mmap.mmap) -> None:
-        free = self._free.setdefault(nbytes, [])
-        if len(free) < self.keep:
-            free.append(region)
-        # else: dropped here, and unmapped once the array releases it
+    def _give_back(self, nbytes: int, region: mmap.mmap | bytearray) -> None:
+        with self._lock:
+            self._free.append((nbytes, region))
+            if len(self._free) > self.keep:
+                del self._free[0]  # unmapped once nothing refers to it
 
     def free_regions(self) -> int:
-        return sum(len(f) for f in self._free.values())
+        return len(self._free)
 
 
-def _new_region(nbytes: int) -> mmap.mmap:
+def _new_region(nbytes: int) -> mmap.mmap | bytearray:
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not POSIX
+        return bytearray(nbytes)
     # Private: the caller's own memory, not shared with workers forked later. Huge pages where
     # the kernel gives them on request (private anonymous memory only): 5 faults, not 2,350.
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
