@@ -1,11 +1,13 @@
 """Workers' reused shared batch buffers: the caller's batches are its own, nothing is overwritten,
 a worker never takes a buffer that was not handed back, and never waits for one."""
 
+import gc
 import itertools
 import multiprocessing
 import os
 import pickle
 import sys
+import threading
 
 import pytest
 import torch
@@ -127,14 +129,51 @@ def test_claimed_copies_reuse_a_batchs_memory_only_after_the_caller_lets_go_of_i
     assert shared.copies.free_regions() == 1
     del view
     assert shared.copies.free_regions() == 2
-    # Short batches, a size of their own each: the last two regions back wait, whatever their sizes.
+    # Short batches, a size of their own each: a waiting region of another size is let go, so
+    # sizes never pile up (one image: 3 x 4 x 4 bytes).
     for n in (2, 1, 2, 1):
         short = shared.claim(shared.fill(0, images(80, n=n)))
         assert tuple(short.shape) == (n, 3, 4, 4) and short.tolist() == torch.stack(images(80, n=n)).tolist()
         del short
-        assert shared.copies.free_regions() == 2
-    assert sorted(size for size, _ in shared.copies._free) == [48, 96]  # one image: 3 x 4 x 4 bytes
+        assert [size for size, _ in shared.copies._free] == [48 * n]
+    del again
+    assert [size for size, _ in shared.copies._free] == [48, 144]  # the newest last; at most two
     assert pickle.loads(pickle.dumps(shared.copies)).free_regions() == 0  # as a spawned worker gets it
+
+
+def test_a_batch_freed_by_a_garbage_collection_inside_a_claim_comes_back_without_a_hang():
+    """A batch in a reference cycle goes when the garbage collector runs, which can be in the
+    middle of the next claim, on the same thread: its region must come back then (a lock held
+    by the claim would hang the loader)."""
+    shared = SharedBatches(workers=1, buffers=2, shape=(4, 3, 8, 8), channels_last=True)
+    shared.restart(0)
+    imgs = [torch.full((3, 8, 8), i, dtype=torch.uint8) for i in range(4)]
+    done = []
+
+    def claims() -> None:
+        old = gc.get_threshold()
+        try:
+            # A cycle holding a batch, then the collector's threshold set so that it runs at the
+            # n-th allocation of the next claim: over n, somewhere inside the claim's own steps.
+            for n in range(1, 40):
+                gc.collect(0)  # resets the count the threshold is compared with
+                batch = {"image": shared.claim(shared.fill(0, imgs))}
+                batch["self"] = batch  # only the collector frees it
+                del batch
+                gc.set_threshold(n)
+                claimed = shared.claim(shared.fill(0, imgs))
+                gc.set_threshold(*old)
+                assert claimed.tolist() == torch.stack(imgs).tolist()
+                del claimed
+            done.append(True)
+        finally:
+            gc.set_threshold(*old)
+
+    thread = threading.Thread(target=claims, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done, "a claim hung (or failed) while a collection gave a region back"
+    assert shared.copies.free_regions() <= 2
 
 
 def _distinct(n: int, shape=(3, 5, 7)) -> list[torch.Tensor]:

@@ -23,13 +23,13 @@ as before, and never waits.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import math
 import mmap
 import multiprocessing
 import struct
-import threading
 import weakref
 
 import numpy as np
@@ -144,12 +144,20 @@ class CopyPool:
     regions that came back last wait, whatever their sizes (an epoch's last, short batch has a
     size of its own); an older one is unmapped. A region in use is never handed out, so a batch
     the caller keeps is never overwritten. Regions come back on whichever thread drops a batch.
+
+    As with any allocator, memory the caller's tensor no longer uses is reused: ``share_memory_()``
+    (and a ``torch.multiprocessing`` queue) moves a tensor into new shared memory and frees the
+    old, so a numpy array or DLPack capsule taken from the batch before that points at memory the
+    next batch is copied into. Take such views after sharing, not before.
     """
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._free: list[tuple[int, mmap.mmap | bytearray]] = []  # (size, region), oldest first
-        self._lock = threading.Lock()
+        # (size, region), newest last. Regions come back through a weakref callback, which can run
+        # on any thread, or on this one in the middle of empty_like when an allocation there
+        # starts a garbage collection that frees a batch: so no lock, only the deque's own
+        # atomic append and pop (a lock taken twice on one thread would hang the loader).
+        self._free: collections.deque[tuple[int, mmap.mmap | bytearray]] = collections.deque(maxlen=keep)
 
     def __getstate__(self) -> dict:  # a spawned worker gets an empty pool (it never copies out)
         return {"keep": self.keep}
@@ -159,23 +167,23 @@ class CopyPool:
 
     def empty_like(self, source: torch.Tensor) -> torch.Tensor:
         """An uninitialised uint8 tensor of ``source``'s shape and strides (which fill their span)."""
-        nbytes = source.numel()
-        with self._lock:
-            at = next((i for i, (size, _) in enumerate(self._free) if size == nbytes), None)
-            region = self._free.pop(at)[1] if at is not None else None
-        if region is None:
-            region = _new_region(nbytes)
+        nbytes, region = source.numel(), None
+        while region is None:
+            try:
+                size, region = self._free.pop()
+            except IndexError:
+                region = _new_region(nbytes)
+                break
+            if size != nbytes:
+                region = None  # another size (a short batch): unmapped once nothing refers to it
         # The tensor's storage keeps this array alive, and the array keeps the region mapped;
-        # when the storage goes, the array does, and the region comes back.
+        # when the storage goes, the array does, and the region comes back (the oldest waiting
+        # one, beyond ``keep``, falls out of the deque).
         array = np.frombuffer(region, dtype=np.uint8)
-        weakref.finalize(array, self._give_back, nbytes, region).atexit = False
-        return torch.from_numpy(array).as_strided(source.shape, source.stride())
-
-    def _give_back(self, nbytes: int, region: mmap.mmap | bytearray) -> None:
-        with self._lock:
-            self._free.append((nbytes, region))
-            if len(self._free) > self.keep:
-                del self._free[0]  # unmapped once nothing refers to it
+        weakref.finalize(array, self._free.append, (nbytes, region)).atexit = False
+        # Strided in numpy, so the batch is a tensor of its own rather than a view of a flat one.
+        # (Its storage is numpy's, so it cannot be resized.)
+        return torch.from_numpy(np.lib.stride_tricks.as_strided(array, source.shape, source.stride()))
 
     def free_regions(self) -> int:
         return len(self._free)
