@@ -157,8 +157,8 @@ def _skip(stream, n: int, seek_above: int = 1 << 16) -> None:
         n -= got
 
 
-# One loop over headers, not split into helpers: it runs once per tar member on the loader's hot path,
-# and a function call per header was measurable there (see the module docstring).
+# Above the size guide on purpose: one loop over headers, not split into helpers: it runs once per tar
+# member on the loader's hot path, and a function call per header was measurable there (module docstring).
 def _members(
     stream, head: bytes, wanted: frozenset[str] | None, limit: int | None, skip: int = 0, count: int | None = None
 ) -> Iterator[tuple[str, str, bytes | Oversized | None, int]]:
