@@ -145,6 +145,7 @@ class RankLoader:
             # With shared buffers, the batches are copied into pinned memory as they are claimed.
             pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch,
             worker_init_fn=worker_init if nw > 0 else None,
+            collate_fn=as_is,
         )
         if cfg.rebatch:
             loader = loader.compose(functools.partial(unbatch_samples, shared=shared))
@@ -229,6 +230,13 @@ class RankLoader:
 
 
 # ---------------------------------------------------------------- startup: plan and check
+
+
+def as_is(batch: dict) -> dict:
+    """The DataLoader's collate_fn: a batch leaves the worker as collate made it. Without it
+    (batch_size=None) the DataLoader runs default_convert on every batch, which walks each of its
+    lists item by item, 0.5-0.7 % of a worker's time, to change nothing but tuples into lists."""
+    return batch
 
 
 def known_counts(shards: Sequence[Shard], *, count_local: bool) -> list[int] | None:
