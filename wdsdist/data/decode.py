@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,6 +89,17 @@ def decode_sample(
 ) -> tuple[torch.Tensor, int]:
     """Raw sample -> (uint8 CHW image, label); raises DataError naming the shard and key.
     With ``crop``, a JPEG is decoded only where ``transform``'s crop falls (jpegcrop)."""
+    return prepare_sample(sample, cfg, transform, crop)()
+
+
+def prepare_sample(
+    sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
+) -> Callable[[], tuple[torch.Tensor, int]]:
+    """decode_sample in two steps. This one checks the sample and makes its random draws, so it
+    runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns makes the
+    pixels, drawing nothing and sharing nothing, so threads may run several at once (the
+    worker's first batch, stream.run_ahead). Other images are decoded here. Either step raises
+    DataError naming the shard and key."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
@@ -106,7 +118,7 @@ def decode_sample(
         raise DataError(f"{where}: label {value} is outside 0..{cfg.num_classes - 1} (num_classes={cfg.num_classes})")
     data = bytes(data)
     if not data.startswith(jpegcrop.JPEG_MAGIC):
-        return transform(_decode_other(data, where, cfg.max_pixels)), value
+        return _ready(transform(_decode_other(data, where, cfg.max_pixels)), value)
 
     def whole() -> torch.Tensor:
         try:
@@ -130,7 +142,10 @@ def decode_sample(
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
     if region:
-        image = crop(data, width, height, whole)
-    else:
-        image = transform(whole())
-    return image, value
+        drawn = crop.draw(width, height)
+        return lambda: (crop.render(data, width, height, drawn, whole), value)
+    return _ready(transform(whole()), value)
+
+
+def _ready(image: torch.Tensor, label: int) -> Callable[[], tuple[torch.Tensor, int]]:
+    return lambda: (image, label)

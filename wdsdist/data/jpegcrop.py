@@ -194,12 +194,18 @@ class CropDecoder:
                     return denom
         return 1
 
-    def __call__(self, data: bytes, width: int, height: int, whole: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The uint8 CHW crop, resized and maybe flipped. Where libjpeg refuses the data (CMYK, a
-        warning), the crop drawn is taken from ``whole()``, torchvision's decode, so the random
-        draws stay those of the transform (and every later sample's with them)."""
+    def draw(self, width: int, height: int) -> tuple[dict, bool]:
+        """The crop and the flip for an image of width x height, drawn as the v2 transforms draw
+        them: the crop's ``make_params``, then the flip's one ``torch.rand(1) < p``."""
         # Only the size matters to make_params: a zero-stride tensor of that shape costs nothing.
         p = self.crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
+        return p, bool(torch.rand(1) < self.flip.p)
+
+    def render(self, data: bytes, width: int, height: int, drawn: tuple[dict, bool], whole) -> torch.Tensor:
+        """The uint8 CHW crop that ``drawn`` (from ``draw``) says, resized and maybe flipped. Where
+        libjpeg refuses the data (CMYK, a warning), the crop is taken from ``whole()``,
+        torchvision's decode. It draws nothing and keeps nothing, so threads may run it at once."""
+        p, flip = drawn
         size, interpolation, antialias = self.crop.size, self.crop.interpolation, self.crop.antialias
         top, left, h, w = p["top"], p["left"], p["height"], p["width"]
         denom = self.scale(h, w)
@@ -209,11 +215,16 @@ class CropDecoder:
             y1 = min(math.ceil((top + h) / denom), math.ceil(height / denom))
             left, top, w, h = x0, y0, x1 - x0, y1 - y0
         try:
-            out = region(self.lib, data, left, top, w, h, denom, self._msg).permute(2, 0, 1)
+            out = region(self.lib, data, left, top, w, h, denom).permute(2, 0, 1)
             image = F.resize(out, size, interpolation, antialias=antialias)
         except JpegError:
             image = F.resized_crop(whole(), **p, size=size, interpolation=interpolation, antialias=antialias)
-        return self.flip(image)
+        return F.horizontal_flip(image) if flip else image
+
+    def __call__(self, data: bytes, width: int, height: int, whole: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``draw`` then ``render``: the random draws stay those of the transform (and every later
+        sample's with them), also where torchvision decodes the file."""
+        return self.render(data, width, height, self.draw(width, height), whole)
 
 
 def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom: int = 1, msg=None) -> torch.Tensor:

@@ -78,6 +78,8 @@ class StreamOptions:
     prefetch: int = 2  # batches per worker
     decode_region: bool = True  # decode only the training crop's region of a JPEG (jpegcrop.py)
     decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
+    # The first batch: worker 0 decodes its crops on one thread per worker while the others wait (warmstart.py)
+    warm_start: bool = True
 
 
 @dataclass(kw_only=True)

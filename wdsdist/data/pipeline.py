@@ -40,6 +40,7 @@ Together: 3.2x the samples/s of the WebDataset README's pipeline ((a) against (b
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import random
 import sys
 from collections.abc import Iterator, Sequence
@@ -135,7 +136,10 @@ class RankLoader:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
             # Region-decoded images come out H x W x C in memory: batches keep that layout.
             shared = SharedBatches(nw, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
-        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic)
+        # loader.warm_start: the other workers wait for worker 0's first batch (warmstart.py)
+        warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
+        gate = multiprocessing.get_context().Event() if warm else None
+        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate)
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,

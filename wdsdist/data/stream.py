@@ -16,13 +16,13 @@ import itertools
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from wdsdist.data.batches import collate
-from wdsdist.data.decode import decode_sample, make_transform
+from wdsdist.data.decode import make_transform, prepare_sample
 from wdsdist.data.jpegcrop import crop_decoder
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
@@ -31,6 +31,7 @@ from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
 from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
 from wdsdist.data.tarread import open_shard, tar_samples
+from wdsdist.data.warmstart import WarmStart, threads_for
 from wdsdist.data.workers import pin_malloc_threshold, warn_skip
 from wdsdist.errors import DataError
 
@@ -90,6 +91,30 @@ def _raise_later(exc: Exception) -> Iterator:
     yield  # a generator: the raise waits for the first next()
 
 
+def _wanted(samples: Iterable[dict], start: int, skip: frozenset, passed: list) -> Iterator[tuple[int, dict]]:
+    """(seq, sample) of an epoch's stream, less those a resumed worker had delivered: seqs below
+    ``start``, in ``skip``, or in a run of ``passed`` (consumed runs still ahead, the next one last)."""
+    for seq, sample in enumerate(samples):
+        while passed and passed[-1][1] <= seq:
+            passed.pop()
+        if seq < start or seq in skip or passed and passed[-1][0] <= seq:
+            continue
+        yield seq, sample
+
+
+def _prepared(wanted: Iterable[tuple[int, dict]], prepare: Callable) -> Iterator[tuple]:
+    """(seq, sample, prepared): what prepare_sample returned or the DataError it raised, in the
+    stream's order (it makes the random draws); FAILED for a placeholder."""
+    for seq, sample in wanted:
+        if FAILED in sample:
+            yield seq, sample, FAILED
+            continue
+        try:
+            yield seq, sample, prepare(sample)
+        except DataError as error:
+            yield seq, sample, error
+
+
 def _skip(skipped: list[list[int]], epoch: int, seq: int) -> None:
     """Add a skipped seq to the [epoch, first, stop] runs skipped since the last row: every seq
     between it and the last run's end of the same epoch was passed over (consumed already)."""
@@ -111,6 +136,7 @@ class ShardStream(IterableDataset):
         resume: ResumePoint | None = None,
         shared: SharedBatches | None = None,
         elastic: dict[int, Ranges] | None = None,
+        gate: Any | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -123,6 +149,8 @@ class ShardStream(IterableDataset):
         self.shared = shared  # used in DataLoader workers only
         self.elastic = elastic or {}  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
         self.epoch = -1  # the last epoch begun, in each worker
+        self.gate = gate  # loader.warm_start: set when worker 0's first batch is made (warmstart.py)
+        self.warmed = False  # in each worker: its first batch was begun
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
         """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
@@ -253,20 +281,28 @@ class ShardStream(IterableDataset):
             self.resume = None
         transform = make_transform(cfg)
         crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
-        decode = functools.partial(decode_sample, cfg=cfg, transform=transform, crop=crop)
+        prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop)
         shared = self.shared if info else None
         if shared is not None:
             shared.restart(worker)
         collation = functools.partial(collate, shared=shared, worker=worker)
-        rows = self._rows(worker, nworkers, skips, decode, runs)
+        # The worker's first batch only (a persistent worker's later epochs start as they are).
+        warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and not self.warmed else 0
+        self.warmed = True
+        warm = WarmStart(self.gate, leader=worker == 0, rows=warm_rows, threads=threads_for(nworkers))
+        rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
         if info is not None:
             rows = _primed(rows)
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
-    # Above the size guide on purpose: the per-sample loop of the hot path, with what it passes over
-    # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _rows(
-        self, worker: int, nworkers: int, skips: dict, decode: Callable, runs: dict | None = None
+        self,
+        worker: int,
+        nworkers: int,
+        skips: dict,
+        prepare: Callable,
+        runs: dict,
+        warm: WarmStart,
     ) -> Iterator[tuple]:
         """(image, label, id, skips before it, key, runs skipped before it) rows, epoch after epoch;
         the samples a resumed worker had delivered (``skips``, and ``runs``: epoch -> sorted runs
@@ -278,8 +314,17 @@ class ShardStream(IterableDataset):
         its skip set. Every seq between two rows of one epoch is skipped or was consumed before
         (passed over on resume), so one run per epoch covers them: a shard whose index claims
         millions of samples it does not hold costs a row three numbers, not millions."""
+        try:
+            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm)
+        finally:
+            warm.done()  # a leader whose stream ended or failed first holds nobody
+
+    # Above the size guide on purpose: the per-sample loop of the hot path, with what it passes over
+    # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
+    def _epochs(
+        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart
+    ) -> Iterator[tuple]:
         cfg = self.cfg
-        runs = runs or {}
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
         skipped: list[list[int]] = []  # [epoch, first seq, stop] runs skipped since the last row
         while True:
@@ -288,26 +333,23 @@ class ShardStream(IterableDataset):
             start, skip = skips.get(epoch, (0, frozenset()))
             passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
-            for seq, sample in enumerate(self._samples(worker, nworkers, epoch, bad)):
-                while passed and passed[-1][1] <= seq:
-                    passed.pop()
-                if seq < start or seq in skip or passed and passed[-1][0] <= seq:
-                    continue
+            wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
+            for seq, sample, done in warm.run(_prepared(wanted, prepare)):
                 seen += 1
-                if FAILED in sample:  # its shard's failure is counted and warned about already
+                if done is FAILED:  # its shard's failure is counted and warned about already
                     _skip(skipped, epoch, seq)
                     continue
-                try:
-                    image, label = decode(sample)
-                except DataError as error:
+                if isinstance(done, DataError):
                     if cfg.strict:
-                        raise
-                    warn_skip(error)
+                        raise done
+                    warn_skip(done)
                     bad[0] += 1
                     _skip(skipped, epoch, seq)
                     continue
+                image, label = done
                 key = sample["__key__"] if cfg.with_keys else None
                 ids = (epoch, worker, seq, sample.get(POSITION, -1))
+                warm.row()
                 yield image, label, ids, tuple(bad), key, tuple(tuple(r) for r in skipped)
                 bad[:] = [0, 0]
                 skipped = []

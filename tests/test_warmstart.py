@@ -1,0 +1,131 @@
+"""loader.warm_start: worker 0 makes its first batch on several threads while the other workers
+wait, and the batches stay the same, image for image (warmstart.py)."""
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from wdsdist.data import jpegcrop
+from wdsdist.data.index import index_path, write_index
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
+from wdsdist.data.warmstart import WarmStart
+from wdsdist.errors import DataError
+
+needs_lib = pytest.mark.skipif(isinstance(jpegcrop.load(), str), reason="jpegcrop cannot be built here")
+
+
+def _jpeg(seed: int, garbled: bool) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (72, 96, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    data = out.getvalue()
+    if garbled:  # a header that reads, then a scan neither libjpeg nor torchvision decodes
+        sos = data.index(b"\xff\xda")
+        data = data[: sos + 20] + b"\xff\xc5" * 200 + b"\xff\xd9"
+    return data
+
+
+def _shards(folder, counts, every=4):
+    """Shards whose every ``every``-th JPEG fails only when its pixels are made (after its draws)."""
+    folder.mkdir()
+    shards, n = [], 0
+    for i, count in enumerate(counts):
+        path = folder / f"w-{i:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for _ in range(count):
+                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % every == 1), "cls": str(n % 10)})
+                n += 1
+        shards.append((str(path), count))
+    index = index_path(str(folder), "w")
+    write_index(index, shards, name="w")
+    return index
+
+
+def _batches(index, n, **kw):
+    cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, **kw)
+    loader = make_loader(index, 0, 1, cfg)
+    torch.manual_seed(0)  # the workers' seeds come from it
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+@needs_lib
+def test_a_warm_start_gives_the_same_batches_image_for_image(tmp_path):
+    index = _shards(tmp_path / "s", [40, 40])
+    warm = _batches(index, 10, warm_start=True)
+    cold = _batches(index, 10, warm_start=False)
+    # Worker 0's first batch (made on threads) passed over samples that failed after their draws.
+    assert warm[0]["bad"][:, 0].sum() > 0
+    for a, b in zip(warm, cold, strict=True):
+        for key in ("id", "label", "bad", "image"):
+            assert torch.equal(a[key], b[key]), key
+
+
+def _items(n, fail=(), ran=None):
+    """(seq, sample, prepared) as stream._prepared gives them; each function notes its thread."""
+
+    def make(i):
+        def pixels():
+            ran[i] = threading.current_thread().name
+            if i in fail:
+                raise DataError(f"sample {i}: cannot decode image")
+            return f"image {i}", i
+
+        return pixels
+
+    return [(i, {"__key__": str(i)}, make(i)) for i in range(n)]
+
+
+def test_the_leader_makes_its_first_rows_on_threads_in_order_then_opens_the_gate():
+    ran, gate, seen = {}, threading.Event(), []
+    warm = WarmStart(gate, leader=True, rows=4, threads=2)
+    for seq, _, done in warm.run(_items(9, fail={2}, ran=ran)):
+        seen.append((seq, gate.is_set(), done if not isinstance(done, DataError) else "error"))
+        if not isinstance(done, DataError):
+            warm.row()
+    assert [s for s, _, _ in seen] == list(range(9))
+    assert seen[2] == (2, False, "error")  # a failure in its place, and it is not a row
+    assert seen[4] == (4, False, ("image 4", 4))  # the 4th row: the gate opens once it is made
+    assert seen[5][1] and gate.is_set()
+    # Four rows and the failure among them on the pool's threads; the rest on the caller's.
+    assert all(ran[i].startswith("warm") for i in range(5))
+    assert all(ran[i] == threading.current_thread().name for i in range(5, 9))
+    assert warm.pool is None
+
+
+def test_a_follower_waits_for_the_gate_only_before_its_first_pixels():
+    calls, ran = [], {}
+
+    class Gate:
+        def wait(self, timeout):
+            calls.append((timeout, sorted(ran)))
+
+    items = [(0, {}, "__failed__"), (1, {}, DataError("sample 1: no 'jpg' in it"))] + _items(4, ran=ran)[2:]
+    warm = WarmStart(Gate(), leader=False, rows=8, threads=2, wait_s=7.0)
+    got = [(seq, done) for seq, _, done in warm.run(items)]
+    assert [s for s, _ in got] == [0, 1, 2, 3]
+    assert calls == [(7.0, [])]  # once, after the placeholder and the failed check, before any pixels
+    assert ran == {2: threading.current_thread().name, 3: threading.current_thread().name}
+
+
+def test_a_leader_with_one_thread_or_no_rows_to_warm_holds_nobody():
+    for threads, rows in ((1, 8), (4, 0)):
+        gate = threading.Event()
+        warm = WarmStart(gate, leader=True, rows=rows, threads=threads)
+        assert gate.is_set() and warm.pool is None
+
+
+def test_a_leader_closed_before_its_rows_cancels_what_waits_and_opens_the_gate():
+    ran, gate = {}, threading.Event()
+    warm = WarmStart(gate, leader=True, rows=50, threads=2)
+    rows = warm.run(_items(50, ran=ran))
+    next(rows)
+    rows.close()
+    warm.done()  # as stream._rows does when its generator ends
+    assert gate.is_set() and warm.pool is None

@@ -1,0 +1,107 @@
+"""A rank's first batch, made on all of its workers' cores (``loader.warm_start``).
+
+Every worker makes whole batches alone, one image after another, so the first batch takes one
+core as long as 64 decodes (115-165 ms on the photos bench), while the other workers spend the
+rank's other cores on batches wanted later. With ``warm_start``, worker 0 (the leader, whose
+batch comes first) decodes the images of its first batch on one thread per worker of the rank,
+and the other workers (the followers) start decoding only once that batch is made. Their shards
+open and their shuffle buffers fill meanwhile; a leader that takes longer than ``WAIT_S`` (a
+slow server) stops holding them.
+
+The batches stay the same, image for image: the random draws of every sample are made on the
+worker's own thread in stream order (decode.prepare_sample), the threads only make pixels, and
+the rows come back in order. Only JPEGs that jpegcrop takes are decoded on the threads; other
+images are decoded by prepare_sample itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from wdsdist.errors import DataError
+
+WAIT_S = 30.0  # the longest a follower waits for the leader's first batch
+
+
+def threads_for(nworkers: int) -> int:
+    """The leader's threads: one per worker of the rank, at most one per core it may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(nworkers, cores))
+
+
+class WarmStart:
+    """Runs a worker's prepared samples (``(seq, sample, prepared)``, where prepared is the
+    function prepare_sample returned, a DataError it raised, or a marker passed through) and
+    gives ``(seq, sample, done)`` in order, done being ``(image, label)``, the DataError, or the
+    marker. The leader runs the first ``rows`` rows' functions on ``threads`` threads, a window
+    of as many as rows are still to come ahead; a follower first waits for ``gate``."""
+
+    def __init__(self, gate: Any | None, *, leader: bool, rows: int, threads: int, wait_s: float = WAIT_S):
+        self.gate, self.leader, self.wait_s = gate, leader, wait_s
+        self.rows_left = rows if leader and threads > 1 else 0
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="warm") if self.rows_left else None
+        self.waited = leader or gate is None
+        if not self.rows_left:
+            self.done()  # a leader with nothing to do sooner holds nobody
+
+    def row(self) -> None:
+        """A row was made: after the leader's ``rows``-th, the followers go."""
+        if self.rows_left:
+            self.rows_left -= 1
+            if not self.rows_left:
+                self.done()
+
+    def done(self) -> None:
+        """The warm start is over (also when the leader's stream ends or fails before it is)."""
+        if self.leader and self.gate is not None:
+            self.gate.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+    def run(self, items: Iterable[tuple]) -> Iterator[tuple]:
+        items, pending = iter(items), collections.deque()
+        try:
+            while True:
+                while self.rows_left and len(pending) < self.rows_left:
+                    item = next(items, None)
+                    if item is None:
+                        break
+                    seq, sample, prepared = item
+                    if callable(prepared):
+                        prepared = self.pool.submit(prepared)  # type: ignore[union-attr]
+                    pending.append((seq, sample, prepared))
+                if pending:
+                    seq, sample, prepared = pending.popleft()
+                    yield seq, sample, _outcome(prepared.result if isinstance(prepared, Future) else prepared)
+                    continue
+                item = next(items, None)
+                if item is None:
+                    return
+                seq, sample, prepared = item
+                if callable(prepared) and not self.waited:
+                    self.waited = True
+                    self.gate.wait(self.wait_s)  # type: ignore[union-attr]
+                yield seq, sample, _outcome(prepared)
+        finally:
+            for _, _, prepared in pending:
+                if isinstance(prepared, Future):
+                    prepared.cancel()
+
+
+def _outcome(prepared: Callable | Any) -> Any:
+    """The image and label a prepared function makes, or the DataError it raises; a DataError
+    or a marker as it is."""
+    if not callable(prepared):
+        return prepared
+    try:
+        return prepared()
+    except DataError as error:
+        return error
