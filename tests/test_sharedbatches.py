@@ -9,6 +9,7 @@ import pickle
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,20 @@ def test_claimed_copies_reuse_a_batchs_memory_only_after_the_caller_lets_go_of_i
     del again
     assert [size for size, _ in shared.copies._free] == [48, 144]  # the newest last; at most two
     assert pickle.loads(pickle.dumps(shared.copies)).free_regions() == 0  # as a spawned worker gets it
+
+
+def test_the_first_claim_copies_into_the_region_reserved_for_it():
+    """finish_batches reserves the first copy's region while the workers start: the first claim
+    takes it, and a second reserve while one of that size waits adds none."""
+    shared = SharedBatches(workers=1, buffers=2, shape=(3, 3, 4, 4), channels_last=True)
+    shared.restart(0)
+    shared.copies.reserve(3 * 48)
+    shared.copies.reserve(3 * 48)
+    assert [size for size, _ in shared.copies._free] == [144]
+    region = shared.copies._free[0][1]
+    first = shared.claim(shared.fill(0, images(5)))
+    assert first.data_ptr() == np.frombuffer(region, dtype=np.uint8).ctypes.data
+    assert shared.copies.free_regions() == 0 and first.tolist() == torch.stack(images(5)).tolist()
 
 
 def test_a_batch_freed_by_a_garbage_collection_inside_a_claim_comes_back_without_a_hang():

@@ -4,6 +4,7 @@ shuffle."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str]]:
 
 def finish_batches(batches: Iterable[dict], shared: SharedBatches | None, pin_memory: bool) -> Iterator[dict]:
     """In the main process: each batch's images as its own tensor, labels and ids as tensors."""
+    if shared is not None and not pin_memory:  # the workers have started: the first copy's memory now
+        shared.copies.reserve(math.prod(shared.shape))
     for batch in batches:
         if "shared" in batch:
             batch["image"] = shared.claim(batch.pop("shared"), pin_memory)  # type: ignore[union-attr]

@@ -185,6 +185,17 @@ class CopyPool:
         # (Its storage is numpy's, so it cannot be resized.)
         return torch.from_numpy(np.lib.stride_tricks.as_strided(array, source.shape, source.stride()))
 
+    def reserve(self, nbytes: int) -> None:
+        """A region for the next copy of ``nbytes``, its pages faulted in now. The main process
+        calls it while its workers make their first batches, when it has nothing else to do: in
+        the first copy, faulting in a fresh region (huge pages, compacted on demand) took 5-18 ms
+        of the time to the first batch."""
+        if any(size == nbytes for size, _ in self._free):
+            return
+        region = _new_region(nbytes)
+        np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0  # one write a page
+        self._free.append((nbytes, region))
+
     def free_regions(self) -> int:
         return len(self._free)
 

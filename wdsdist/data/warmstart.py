@@ -52,11 +52,11 @@ class WarmStart:
             self.done()  # a leader with nothing to do sooner holds nobody
 
     def row(self) -> None:
-        """A row was made: after the leader's ``rows``-th, the followers go."""
+        """A row was made. The leader's ``rows``-th ends the warm start once the row after it is
+        asked for: its batch has then been stacked and handed to the DataLoader, and the main
+        process finds a core free to take it while the followers start."""
         if self.rows_left:
             self.rows_left -= 1
-            if not self.rows_left:
-                self.done()
 
     def done(self) -> None:
         """The warm start is over (also when the leader's stream ends or fails before it is)."""
@@ -81,6 +81,8 @@ class WarmStart:
                 if pending:
                     seq, sample, prepared = pending.popleft()
                     yield seq, sample, _outcome(prepared.result if isinstance(prepared, Future) else prepared)
+                    if not self.rows_left and self.pool is not None:
+                        self.done()
                     continue
                 item = next(items, None)
                 if item is None:
