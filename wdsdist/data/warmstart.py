@@ -5,8 +5,10 @@ core as long as 64 decodes (115-165 ms on the photos bench), while the other wor
 rank's other cores on batches wanted later. With ``warm_start``, worker 0 (the leader, whose
 batch comes first) decodes the images of its first batch on one thread per worker of the rank,
 and the other workers (the followers) start decoding only once that batch is made. Their shards
-open and their shuffle buffers fill meanwhile; a leader that takes longer than ``WAIT_S`` (a
-slow server) stops holding them.
+open and their shuffle buffers fill meanwhile. A leader that takes longer than ``WAIT_S`` (a slow
+server, an unusually large batch) stops holding them: a first batch that slow is not made much
+sooner by the others waiting, and a follower waiting in its first ``iter()`` cannot hear the
+DataLoader shutting down (which gives a worker 5 s to end before it terminates it).
 
 The batches stay the same, image for image: the random draws of every sample are made on the
 worker's own thread in stream order (decode.prepare_sample), the threads only make pixels, and
@@ -24,7 +26,7 @@ from typing import Any
 
 from wdsdist.errors import DataError
 
-WAIT_S = 30.0  # the longest a follower waits for the leader's first batch
+WAIT_S = 3.0  # the longest a follower waits for the leader's first batch
 
 
 def threads_for(nworkers: int) -> int:
