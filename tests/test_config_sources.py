@@ -71,6 +71,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "decode_region": False,
         "decode_downscale": False,
         "warm_start": False,
+        "read_late": False,
     }
     assert sorted(changed) == sorted(names(SampleOptions)) and sorted(stream) == sorted(names(StreamOptions))
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]

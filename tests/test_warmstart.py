@@ -20,8 +20,8 @@ from wdsdist.errors import DataError
 needs_lib = pytest.mark.skipif(isinstance(jpegcrop.load(), str), reason="jpegcrop cannot be built here")
 
 
-def _jpeg(seed: int, garbled: bool) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, (72, 96, 3), dtype=np.uint8)
+def _jpeg(seed: int, garbled: bool, shape: tuple[int, int] = (72, 96)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (*shape, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="JPEG", quality=90)
     data = out.getvalue()

@@ -27,11 +27,13 @@ def read_span(
     max_member: int | None = None,
     *,
     use_offsets: bool = True,
+    late: bool = False,
 ) -> Iterator[dict]:
     """Samples ``start`` .. ``stop - 1`` of ``shard`` (``stop`` None: to the shard's end), as
     ``islice(tar_samples(...), start, stop)`` gives them. ``use_offsets`` False: ignore the
-    index's byte offsets (for measuring them). Raises what opening or reading the shard raises;
-    an error before the first sample read from an index's offset says so (a stale index)."""
+    index's byte offsets (for measuring them). ``late``: as tar_samples'. Raises what opening
+    or reading the shard raises; an error before the first sample read from an index's offset
+    says so (a stale index)."""
     if stop is not None and stop <= start:
         return
     table = shard.offsets if use_offsets else None
@@ -44,7 +46,7 @@ def read_span(
     count = None if stop is None else stop - start
     stream = open_shard(shard.url, access, start=offset, end=end)
     try:
-        samples = tar_samples(stream, shard.url, wanted, max_member, skip=start - first, count=count)
+        samples = tar_samples(stream, shard.url, wanted, max_member, skip=start - first, count=count, late=late)
         got = 0
         try:
             for sample in samples:

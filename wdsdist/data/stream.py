@@ -30,7 +30,7 @@ from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
 from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
-from wdsdist.data.tarread import open_shard, tar_samples
+from wdsdist.data.tarread import open_shard, read_late, tar_samples
 from wdsdist.data.warmstart import WarmStart, threads_for
 from wdsdist.data.workers import pin_malloc_threshold, warn_skip
 from wdsdist.errors import DataError
@@ -110,7 +110,7 @@ def _prepared(wanted: Iterable[tuple[int, dict]], prepare: Callable) -> Iterator
             yield seq, sample, FAILED
             continue
         try:
-            yield seq, sample, prepare(sample)
+            yield seq, sample, prepare(read_late(sample))
         except DataError as error:
             yield seq, sample, error
 
@@ -207,7 +207,8 @@ class ShardStream(IterableDataset):
         """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""
         cfg = self.cfg
         got = 0
-        for sample in read_span(shard, first, last, cfg.access, cfg.wanted_suffixes, cfg.max_member_bytes):
+        wanted, limit = cfg.wanted_suffixes, cfg.max_member_bytes
+        for sample in read_span(shard, first, last, cfg.access, wanted, limit, late=cfg.read_late):
             got += 1
             yield sample
         if got < last - first:
@@ -240,7 +241,9 @@ class ShardStream(IterableDataset):
     def _read_whole(self, url: str) -> Iterator[dict]:
         stream = open_shard(url, self.cfg.access)
         try:
-            yield from tar_samples(stream, url, self.cfg.wanted_suffixes, self.cfg.max_member_bytes)
+            yield from tar_samples(
+                stream, url, self.cfg.wanted_suffixes, self.cfg.max_member_bytes, late=self.cfg.read_late
+            )
         finally:
             stream.close()
 

@@ -1,0 +1,140 @@
+"""loader.read_late: while a local shard's samples wait in the shuffle buffer, their images stay
+in the file (tarread.Late: where each lies) and are read as the samples leave it. The samples
+and batches are the ones read at once gives; a file that changes underneath fails the samples
+it no longer holds, not the run."""
+
+import gc
+import gzip
+import io
+import os
+import tarfile
+
+import pytest
+import torch
+import webdataset as wds
+
+from tests.test_warmstart import _jpeg
+from wdsdist.data import tarread
+from wdsdist.data.index import index_path, write_index
+from wdsdist.data.options import LoaderConfig
+from wdsdist.data.pipeline import make_loader
+from wdsdist.data.tarread import Late, read_late, tar_samples
+from wdsdist.errors import DataError
+
+
+def _shard(path, n, size=6000):
+    """n samples: a ``size``-byte jpg (above LATE_MIN), a one-byte cls and a small json."""
+    with wds.TarWriter(str(path)) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"k{i:04d}", "jpg": bytes([i % 251]) * size, "cls": str(i % 10), "json": b"{}"})
+    return path
+
+
+def _read(path, late):
+    with open(path, "rb") as f:
+        return list(tar_samples(f, str(path), late=late))
+
+
+def test_large_members_come_late_and_read_to_the_same_samples_after_the_file_closed(tmp_path):
+    path = _shard(tmp_path / "a.tar", 30)
+    eager, late = _read(path, False), _read(path, True)
+    assert all(isinstance(s["jpg"], Late) for s in late)
+    assert all(isinstance(s["cls"], bytes) and isinstance(s["json"], bytes) for s in late)
+    assert [read_late(s) for s in late] == eager  # the stream was closed when _read returned
+    assert all(isinstance(s["jpg"], bytes) for s in eager)
+
+
+def test_only_a_plain_local_file_is_read_late(tmp_path):
+    path = _shard(tmp_path / "a.tar", 5)
+    raw = path.read_bytes()
+    (tmp_path / "a.tar.gz").write_bytes(gzip.compress(raw))
+    for stream in (io.BytesIO(raw), open(tmp_path / "a.tar.gz", "rb")):
+        with stream:
+            samples = list(tar_samples(stream, "u", late=True))
+        assert len(samples) == 5 and all(isinstance(s["jpg"], bytes) for s in samples)
+
+
+def test_the_file_closes_when_its_last_late_member_goes(tmp_path):
+    path = _shard(tmp_path / "a.tar", 5)
+    gc.collect()
+    before = tarread._LateFile.count
+    samples = _read(path, True)
+    fd = samples[0]["jpg"].file.fd
+    assert tarread._LateFile.count == before + 1
+    del samples[:4]  # four unread samples gone, one left
+    assert os.fstat(fd) and tarread._LateFile.count == before + 1
+    read_late(samples[0])  # the last Late member read: the sample holds bytes now
+    assert tarread._LateFile.count == before
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_at_most_LATE_FILES_shards_are_held_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(tarread, "LATE_FILES", tarread._LateFile.count + 2)
+    held = [_read(_shard(tmp_path / f"{i}.tar", 3), True) for i in range(3)]
+    assert [isinstance(samples[0]["jpg"], Late) for samples in held] == [True, True, False]
+
+
+def test_a_member_cut_short_fails_the_shard_as_read_at_once_does(tmp_path):
+    path = _shard(tmp_path / "a.tar", 10)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: raw.index(b"k0007.jpg") + 512 + 3000])  # inside sample 7's jpg
+    for late in (False, True):
+        with open(path, "rb") as f:
+            samples = tar_samples(f, str(path), late=late)
+            got = [next(samples) for _ in range(7)]
+            with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
+                next(samples)
+        assert [s["__key__"] for s in got] == [f"k{i:04d}" for i in range(7)]
+
+
+def test_a_file_shortened_after_its_headers_were_read_fails_the_samples_it_lost(tmp_path):
+    path = _shard(tmp_path / "a.tar", 10)
+    samples = _read(path, True)
+    os.truncate(path, samples[6]["jpg"].offset + 100)
+    assert [len(read_late(s)["jpg"]) for s in samples[:6]] == [6000] * 6
+    with pytest.raises(DataError, match=r"a\.tar: sample 'k0006': cannot read its jpg: 6000 bytes at byte \d+"):
+        read_late(samples[6])
+
+
+def _index(folder, counts):
+    folder.mkdir()
+    shards, n = [], 0
+    for i, count in enumerate(counts):
+        path = folder / f"w-{i:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for _ in range(count):
+                # 96 x 128 noise: ~25 KB, read late; every 9th garbled (fails after its draws)
+                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % 9 == 4, (96, 128)), "cls": str(n % 10)})
+                n += 1
+        shards.append((str(path), count))
+    index = index_path(str(folder), "w")
+    write_index(index, shards, name="w")
+    return index
+
+
+@pytest.mark.parametrize("split", ["shards", "samples"])
+def test_the_loader_gives_the_same_batches_read_late_or_at_once(tmp_path, split):
+    index = _index(tmp_path / "s", [40, 40, 40])
+    runs = {}
+    for late in (False, True):
+        cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, mode="epoch", split=split, read_late=late)
+        torch.manual_seed(0)  # the workers' seeds come from it
+        runs[late] = list(make_loader(index, 0, 1, cfg))
+    assert len(runs[True]) == len(runs[False]) >= 12
+    assert sum(int(b["bad"][:, 0].sum()) for b in runs[True]) > 0
+    for a, b in zip(runs[False], runs[True], strict=True):
+        for key in ("id", "label", "bad", "image"):
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_a_shard_shortened_while_its_samples_wait_costs_those_samples_not_the_run(tmp_path):
+    index = _index(tmp_path / "s", [120])
+    cfg = LoaderConfig(batch_size=8, workers=0, image_size=32, mode="epoch", split="shards", read_late=True)
+    it = iter(make_loader(index, 0, 1, cfg))
+    batches = [next(it)]  # the shuffle buffer holds the shard's first 100 samples now
+    os.truncate(tmp_path / "s" / "w-000000.tar", 60 * 1024)
+    batches += list(it)
+    delivered = sum(len(b["label"]) for b in batches)
+    bad = sum(int(b["bad"][:, 0].sum()) for b in batches)
+    assert 8 <= delivered < 120 and bad > 0
