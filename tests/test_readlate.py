@@ -7,6 +7,7 @@ import gc
 import gzip
 import io
 import os
+import re
 import tarfile
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import webdataset as wds
 
 from tests.test_warmstart import _jpeg
-from wdsdist.data import tarread
+from wdsdist.data import tarread, workers
 from wdsdist.data.index import index_path, write_index
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
@@ -128,7 +129,8 @@ def test_the_loader_gives_the_same_batches_read_late_or_at_once(tmp_path, split)
             assert torch.equal(a[key], b[key]), key
 
 
-def test_a_shard_shortened_while_its_samples_wait_costs_those_samples_not_the_run(tmp_path):
+def test_a_shard_shortened_while_its_samples_wait_costs_those_samples_not_the_run(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(workers, "_warned", [0])  # this process's count of warnings so far
     index = _index(tmp_path / "s", [120])
     cfg = LoaderConfig(batch_size=8, workers=0, image_size=32, mode="epoch", split="shards", read_late=True)
     it = iter(make_loader(index, 0, 1, cfg))
@@ -138,3 +140,6 @@ def test_a_shard_shortened_while_its_samples_wait_costs_those_samples_not_the_ru
     delivered = sum(len(b["label"]) for b in batches)
     bad = sum(int(b["bad"][:, 0].sum()) for b in batches)
     assert 8 <= delivered < 120 and bad > 0
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "cannot read its jpg" in ln]
+    line = re.compile(r"warning: skipped: \S*w-000000\.tar: sample 's\d{6}': cannot read its jpg: \d+ bytes at byte")
+    assert lines and all(line.match(ln) for ln in lines)
