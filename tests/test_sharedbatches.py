@@ -1,6 +1,7 @@
 """Workers' reused shared batch buffers: the caller's batches are its own, nothing is overwritten,
 a worker never takes a buffer that was not handed back, and never waits for one."""
 
+import ctypes
 import gc
 import itertools
 import multiprocessing
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from wdsdist.data import shardspec
-from wdsdist.data.batches import collate_samples, unbatch_samples
+from wdsdist.data.batches import collate, collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
@@ -154,6 +155,48 @@ def test_the_first_claim_copies_into_the_region_reserved_for_it():
     first = shared.claim(shared.fill(0, images(5)))
     assert first.data_ptr() == np.frombuffer(region, dtype=np.uint8).ctypes.data
     assert shared.copies.free_regions() == 0 and first.tolist() == torch.stack(images(5)).tolist()
+
+
+def _resident_pages(tensor: torch.Tensor) -> int:
+    """How many of the pages under a tensor's bytes are in memory (mincore)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    pages = (tensor.data_ptr() + tensor.numel() - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+def test_populate_makes_a_workers_first_buffer_resident_and_no_other():
+    """The warm start's leader populates its first buffer beside its decodes; the other buffers
+    keep costing nothing until written (shared_uint8)."""
+    shared = SharedBatches(workers=2, buffers=3, shape=(8, 3, 64, 64), channels_last=True)
+    first, second, other = shared.buffers[0][0], shared.buffers[0][1], shared.buffers[1][0]
+    assert _resident_pages(first) == _resident_pages(second) == _resident_pages(other) == 0
+    if not shared.populate(0):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    pages = (first.numel() + os.sysconf("SC_PAGE_SIZE") - 1) // os.sysconf("SC_PAGE_SIZE")
+    assert _resident_pages(first) == pages
+    assert _resident_pages(second) <= 1 and _resident_pages(other) == 0  # a page it shares with the first, at most
+    shared.restart(0)
+    batch = [torch.full((3, 64, 64), i, dtype=torch.uint8) for i in range(8)]
+    assert torch.equal(shared.claim(shared.fill(0, batch)), torch.stack(batch))  # the populated pages hold it
+
+
+def test_the_first_batch_taken_opens_the_warm_start_gate_before_the_caller_has_it():
+    for finish in (finish_batches, unbatch_samples):
+        gate, seen = threading.Event(), []
+        rows = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i, (0, 0, i), (0, 0), None, ()) for i in range(4)]
+        batches = [collate(rows[:2]), collate(rows[2:])]
+        kw = {"pin_memory": False} if finish is finish_batches else {}
+        it = finish(batches, None, gate=gate, **kw)
+        assert not gate.is_set()
+        for _ in it:
+            seen.append(gate.is_set())
+        assert seen and all(seen), finish.__name__
 
 
 def test_a_batch_freed_by_a_garbage_collection_inside_a_claim_comes_back_without_a_hang():

@@ -52,7 +52,11 @@ def _batches(index, n, **kw):
     loader = make_loader(index, 0, 1, cfg)
     torch.manual_seed(0)  # the workers' seeds come from it
     it = iter(loader)
-    return [next(it) for _ in range(n)]
+    got = [next(it)]
+    gate = loader.dataset.gate
+    # The main process opened the gate with the first batch (the leader, in repeat mode, never ends).
+    assert gate.is_set() if cfg.warm_start else gate is None
+    return got + [next(it) for _ in range(n - 1)]
 
 
 @needs_lib
@@ -82,21 +86,27 @@ def _items(n, fail=(), ran=None):
     return [(i, {"__key__": str(i)}, make(i)) for i in range(n)]
 
 
-def test_the_leader_makes_its_first_rows_on_threads_in_order_then_opens_the_gate():
+def test_the_leader_makes_its_first_rows_on_threads_in_order_and_leaves_the_gate_to_the_main_process():
     ran, gate, seen = {}, threading.Event(), []
     warm = WarmStart(gate, leader=True, rows=4, threads=2)
+    warm.ahead(lambda: ran.setdefault("ahead", threading.current_thread().name))
     for seq, _, done in warm.run(_items(9, fail={2}, ran=ran)):
-        seen.append((seq, gate.is_set(), done if not isinstance(done, DataError) else "error"))
+        seen.append((seq, done if not isinstance(done, DataError) else "error"))
         if not isinstance(done, DataError):
             warm.row()
-    assert [s for s, _, _ in seen] == list(range(9))
-    assert seen[2] == (2, False, "error")  # a failure in its place, and it is not a row
-    assert seen[4] == (4, False, ("image 4", 4))  # the 4th row: the gate opens once it is made
-    assert seen[5][1] and gate.is_set()
-    # Four rows and the failure among them on the pool's threads; the rest on the caller's.
-    assert all(ran[i].startswith("warm") for i in range(5))
+    assert [s for s, _ in seen] == list(range(9))
+    assert seen[2] == (2, "error")  # a failure in its place, and it is not a row
+    assert seen[4] == (4, ("image 4", 4))
+    # The function asked ahead, four rows and the failure among them on the pool's threads; the
+    # rest on the caller's, once the pool is gone.
+    assert ran["ahead"].startswith("warm") and all(ran[i].startswith("warm") for i in range(5))
     assert all(ran[i] == threading.current_thread().name for i in range(5, 9))
     assert warm.pool is None
+    # The followers wait until the main process has the batch (batches.opened), or until the
+    # leader's stream ends, as here.
+    assert not gate.is_set()
+    warm.done()
+    assert gate.is_set()
 
 
 def test_a_follower_waits_for_the_gate_only_before_its_first_pixels():

@@ -136,7 +136,7 @@ class RankLoader:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
             # Region-decoded images come out H x W x C in memory: batches keep that layout.
             shared = SharedBatches(nw, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
-        # loader.warm_start: the other workers wait for worker 0's first batch (warmstart.py)
+        # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
         warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
         gate = multiprocessing.get_context().Event() if warm else None
         self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate)
@@ -152,12 +152,13 @@ class RankLoader:
             collate_fn=as_is,
         )
         if cfg.rebatch:
-            loader = loader.compose(functools.partial(unbatch_samples, shared=shared))
+            loader = loader.compose(functools.partial(unbatch_samples, shared=shared, gate=gate))
             loader = loader.compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
             collation = functools.partial(collate_samples, pin_memory=cfg.pin_memory)
             loader = loader.batched(cfg.batch_size, collation_fn=collation, partial=cfg.partial)
         else:
-            loader = loader.compose(functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory))
+            finish = functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory, gate=gate)
+            loader = loader.compose(finish)
         self.plan_batches: int | None = None  # epoch mode: batches of a whole epoch (None: to the data's end)
         if cfg.mode == "epoch":
             self.plan_batches = plan_.ranks[rank].batches if plan_ is not None else None

@@ -30,6 +30,7 @@ import math
 import mmap
 import multiprocessing
 import struct
+import sys
 import weakref
 
 import numpy as np
@@ -85,6 +86,17 @@ class SharedBatches:
         torch.stack(images, out=self.buffers[worker][k, : len(images)])
         return worker, self.iteration, k, len(images)
 
+    def populate(self, worker: int) -> bool:
+        """Have the kernel allocate and map the pages of the worker's first buffer now, in one
+        call that holds no lock of Python's (the warm start's leader makes it on one of its
+        threads while the others decode). Stacking the first batch into untouched pages faulted
+        them in one by one: 9-10 ms after the last decode, before the batch could leave; in one
+        call, 6.5 ms beside the decodes (huge pages are not given to shared memory here).
+        False where the kernel cannot (MADV_POPULATE_WRITE is Linux 5.14's): the stack faults
+        them in as before."""
+        first = self.buffers[worker][0]
+        return _populate(first.data_ptr(), first.numel())
+
     # ---------------------------------------------------------------- in the main process
 
     def claim(self, ref: tuple[int, int, int, int], pin_memory: bool = False) -> torch.Tensor:
@@ -113,6 +125,20 @@ class SharedBatches:
     def _hand_back(self, ref: tuple[int, int, int, int]) -> None:
         worker, iteration, k, _ = ref
         self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not name it
+
+
+def _populate(address: int, nbytes: int) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over the pages that hold these bytes; through ctypes, which
+    lets go of the GIL for the call (mmap.madvise holds it)."""
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = address - address % mmap.PAGESIZE
+    return libc.madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
 def shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:

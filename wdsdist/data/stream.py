@@ -293,6 +293,8 @@ class ShardStream(IterableDataset):
         warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and not self.warmed else 0
         self.warmed = True
         warm = WarmStart(self.gate, leader=worker == 0, rows=warm_rows, threads=threads_for(nworkers))
+        if shared is not None:
+            warm.ahead(functools.partial(shared.populate, worker))  # the first batch's buffer, while it decodes
         rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
         if info is not None:
             rows = _primed(rows)

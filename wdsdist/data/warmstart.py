@@ -4,8 +4,9 @@ Every worker makes whole batches alone, one image after another, so the first ba
 core as long as 64 decodes (115-165 ms on the photos bench), while the other workers spend the
 rank's other cores on batches wanted later. With ``warm_start``, worker 0 (the leader, whose
 batch comes first) decodes the images of its first batch on one thread per worker of the rank,
-and the other workers (the followers) start decoding only once that batch is made. Their shards
-open and their shuffle buffers fill meanwhile. A leader that takes longer than ``WAIT_S`` (a slow
+and the other workers (the followers) start decoding only once the main process has that batch
+(batches.opened sets the gate), or the leader's stream has ended. Their shards open and their
+shuffle buffers fill meanwhile. A leader that takes longer than ``WAIT_S`` (a slow
 server, an unusually large batch) stops holding them: a first batch that slow is not made much
 sooner by the others waiting, and a follower waiting in its first ``iter()`` cannot hear the
 DataLoader shutting down (which gives a worker 5 s to end before it terminates it).
@@ -43,7 +44,8 @@ class WarmStart:
     function prepare_sample returned, a DataError it raised, or a marker passed through) and
     gives ``(seq, sample, done)`` in order, done being ``(image, label)``, the DataError, or the
     marker. The leader runs the first ``rows`` rows' functions on ``threads`` threads, a window
-    of as many as rows are still to come ahead; a follower first waits for ``gate``."""
+    of as many as rows are still to come ahead; a follower first waits for ``gate``, which the
+    main process opens when it has the first batch, and the leader when its stream ends."""
 
     def __init__(self, gate: Any | None, *, leader: bool, rows: int, threads: int, wait_s: float = WAIT_S):
         self.gate, self.leader, self.wait_s = gate, leader, wait_s
@@ -54,16 +56,24 @@ class WarmStart:
             self.done()  # a leader with nothing to do sooner holds nobody
 
     def row(self) -> None:
-        """A row was made. The leader's ``rows``-th ends the warm start once the row after it is
-        asked for: its batch has then been stacked and handed to the DataLoader, and the main
-        process finds a core free to take it while the followers start."""
+        """A row was made. After the leader's ``rows``-th its threads go once the row after it
+        is asked for (its batch has been stacked then); the gate stays as it is, for the main
+        process to open."""
         if self.rows_left:
             self.rows_left -= 1
 
+    def ahead(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the leader's threads before its rows (nothing without threads)."""
+        if self.pool is not None:
+            self.pool.submit(fn)
+
     def done(self) -> None:
-        """The warm start is over (also when the leader's stream ends or fails before it is)."""
+        """The leader's stream ended or failed: nobody waits for it any more."""
         if self.leader and self.gate is not None:
             self.gate.set()
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
@@ -84,7 +94,7 @@ class WarmStart:
                     seq, sample, prepared = pending.popleft()
                     yield seq, sample, _outcome(prepared.result if isinstance(prepared, Future) else prepared)
                     if not self.rows_left and self.pool is not None:
-                        self.done()
+                        self._stop_threads()
                     continue
                 item = next(items, None)
                 if item is None:
