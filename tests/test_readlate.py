@@ -7,6 +7,7 @@ import gc
 import gzip
 import io
 import os
+import pickle
 import re
 import tarfile
 
@@ -87,6 +88,41 @@ def test_a_member_cut_short_fails_the_shard_as_read_at_once_does(tmp_path):
             with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
                 next(samples)
         assert [s["__key__"] for s in got] == [f"k{i:04d}" for i in range(7)]
+
+
+def test_a_file_cut_while_its_headers_are_read_fails_the_shard_as_read_at_once_does(tmp_path):
+    """Late members are passed over by seeking, which never fails past a file's end: a file cut
+    short meanwhile must not end like a whole one, its later samples lost without a word."""
+    for late in (False, True):
+        path = _shard(tmp_path / f"cut{late}.tar", 20)
+        cut = path.read_bytes().index(b"k0010.jpg") + 512 + 3000  # inside sample 10's jpg
+        with open(path, "rb") as f:
+            samples = tar_samples(f, str(path), late=late)
+            got = [next(samples) for _ in range(5)]
+            os.truncate(path, cut)
+            with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
+                got += list(samples)
+        assert len(got) == 5, late
+
+
+def test_a_late_read_takes_several_preads_where_one_gives_less(tmp_path, monkeypatch):
+    path = _shard(tmp_path / "a.tar", 3)
+    eager, late = _read(path, False), _read(path, True)
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: pread(fd, min(n, 1000), at))  # as past 2 GiB
+    assert [read_late(s) for s in late] == eager
+
+
+def test_a_refused_readahead_hint_changes_nothing_and_a_late_file_does_not_travel(tmp_path, monkeypatch):
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    path = _shard(tmp_path / "a.tar", 3)
+    monkeypatch.setattr(tarread, "_ADVISE", refuse)
+    late = _read(path, True)
+    with pytest.raises(TypeError, match="stays in the process"):
+        pickle.dumps(late[0])
+    assert [read_late(s) for s in late] == _read(path, False)
 
 
 def test_a_file_shortened_after_its_headers_were_read_fails_the_samples_it_lost(tmp_path):

@@ -25,8 +25,10 @@ PSS went from 854-862 MB to 784-787 MB (each worker's heap from 110 MB to 60 MB)
 own) while any of its Late members lives, at most ``LATE_FILES`` files a process; beyond that,
 members are read at once. Passing over the data defeats the kernel's readahead, so the reader
 asks for the bytes ahead itself (``posix_fadvise``). A member cut short fails the shard as
-before (its end is checked against the file's size); a file that shrinks later fails the
-samples it no longer holds, each a bad sample of its own.
+before (its end is checked against the file's size), and so does a file cut while its headers
+are read (seeking past a file's end never fails, so where the headers end early the size is
+checked again); a file that shrinks later fails the samples it no longer holds, each a bad
+sample of its own.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class Late:
 
     def read(self) -> bytes:
         data = os.pread(self.file.fd, self.size, self.offset)
+        while 0 < len(data) < self.size:  # one pread gives 2 GiB at most
+            more = os.pread(self.file.fd, self.size - len(data), self.offset + len(data))
+            if not more:
+                break
+            data += more
         if len(data) != self.size:  # the file shrank since its headers were read
             raise OSError(f"{self.size} bytes at byte {self.offset}, and the file holds {len(data)} of them")
         return data
@@ -119,11 +126,15 @@ class _LateFile:
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
+    def __reduce__(self):
+        # A descriptor means nothing in another process (and its copy would close another file).
+        raise TypeError("a shard's late-read file stays in the process that opened it")
+
 
 def _late_file(stream, consumed: int) -> tuple[_LateFile | None, int]:
     """A local shard's file for late reads and the byte at which its first header lies
     (``consumed`` bytes ago); None where the stream is no regular file or too many are open."""
-    if _LateFile.count >= LATE_FILES:
+    if _LateFile.count >= LATE_FILES or not hasattr(os, "pread"):  # no pread: Windows
         return None, 0
     try:
         fd = stream.fileno()
@@ -271,6 +282,10 @@ def _members(
         if len(header) < BLOCK:
             if header:
                 raise tarfile.ReadError("unexpected end of data")
+            if late is not None and os.fstat(late.fd).st_size < late.size:
+                # Passing over late members by seeking, a file cut short meanwhile ends here
+                # rather than in a member's data: it fails as a cut file read at once does.
+                raise tarfile.ReadError(f"unexpected end of data: the file shrank to {os.fstat(late.fd).st_size} bytes")
             return
         if header.count(0) == BLOCK:  # end-of-archive marker
             return
@@ -324,7 +339,8 @@ def _members(
                         # Passing over the data defeats the kernel's readahead: ask for the next
                         # bytes ourselves, so that headers and late reads find them in memory.
                         start = max(ahead, where)
-                        _ADVISE(late.fd, start, _AHEAD, os.POSIX_FADV_WILLNEED)
+                        with contextlib.suppress(OSError):  # a hint, which a file system may refuse
+                            _ADVISE(late.fd, start, _AHEAD, os.POSIX_FADV_WILLNEED)
                         ahead = start + _AHEAD
                     yield key, suffix.lower(), Late(late, where, size), at
                 elif wanted is None or suffix.lower() in wanted:
