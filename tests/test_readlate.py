@@ -15,9 +15,8 @@ import pytest
 import torch
 import webdataset as wds
 
-from tests.test_warmstart import _jpeg
+from tests.test_warmstart import _shards
 from wdsdist.data import tarread, workers
-from wdsdist.data.index import index_path, write_index
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.tarread import Late, read_late, tar_samples
@@ -135,19 +134,8 @@ def test_a_file_shortened_after_its_headers_were_read_fails_the_samples_it_lost(
 
 
 def _index(folder, counts):
-    folder.mkdir()
-    shards, n = [], 0
-    for i, count in enumerate(counts):
-        path = folder / f"w-{i:06d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for _ in range(count):
-                # 96 x 128 noise: ~25 KB, read late; every 9th garbled (fails after its draws)
-                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % 9 == 4, (96, 128)), "cls": str(n % 10)})
-                n += 1
-        shards.append((str(path), count))
-    index = index_path(str(folder), "w")
-    write_index(index, shards, name="w")
-    return index
+    """Shards of 96 x 128 noise JPEGs (~25 KB: read late), every 9th failing after its draws."""
+    return _shards(folder, counts, every=9, shape=(96, 128))
 
 
 @pytest.mark.parametrize("split", ["shards", "samples"])

@@ -31,7 +31,7 @@ def _jpeg(seed: int, garbled: bool, shape: tuple[int, int] = (72, 96)) -> bytes:
     return data
 
 
-def _shards(folder, counts, every=4):
+def _shards(folder, counts, every=4, shape=(72, 96)):
     """Shards whose every ``every``-th JPEG fails only when its pixels are made (after its draws)."""
     folder.mkdir()
     shards, n = [], 0
@@ -39,7 +39,7 @@ def _shards(folder, counts, every=4):
         path = folder / f"w-{i:06d}.tar"
         with wds.TarWriter(str(path)) as sink:
             for _ in range(count):
-                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % every == 1), "cls": str(n % 10)})
+                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % every == 1, shape), "cls": str(n % 10)})
                 n += 1
         shards.append((str(path), count))
     index = index_path(str(folder), "w")
