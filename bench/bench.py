@@ -11,7 +11,7 @@ that loop in W processes at once, as the loader's W workers run: on a shared mac
 cores give less than twice one busy core, and (a)/(e') keeps that out of the loader's account.
 
 Each contender runs in its own subprocess, so its memory is its own: peak RSS summed over the
-process and its DataLoader workers (sampled every 20 ms), and PSS at the end of the run.
+process and its DataLoader workers (sampled every 50 ms), and PSS at the end of the run.
 Contenders run in rounds (--repeat), interleaved, and the table gives each one's median round,
 so a slow minute of a shared machine does not land on one contender only. Data (--dataset):
 ``noise``, ImageNet-like JPEGs of textured noise (500x375, quality 90, about 90 KB), and

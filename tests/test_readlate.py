@@ -1,5 +1,5 @@
 """loader.read_late: while a local shard's samples wait in the shuffle buffer, their images stay
-in the file (tarread.Late: where each lies) and are read as the samples leave it. The samples
+in the file (lateread.Late: where each lies) and are read as the samples leave it. The samples
 and batches are the ones read at once gives; a file that changes underneath fails the samples
 it no longer holds, not the run."""
 
@@ -16,10 +16,11 @@ import torch
 import webdataset as wds
 
 from tests.test_warmstart import _shards
-from wdsdist.data import tarread, workers
+from wdsdist.data import lateread, tarread, workers
+from wdsdist.data.lateread import Late, read_late
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
-from wdsdist.data.tarread import Late, read_late, tar_samples
+from wdsdist.data.tarread import tar_samples
 from wdsdist.errors import DataError
 
 
@@ -58,20 +59,20 @@ def test_only_a_plain_local_file_is_read_late(tmp_path):
 def test_the_file_closes_when_its_last_late_member_goes(tmp_path):
     path = _shard(tmp_path / "a.tar", 5)
     gc.collect()
-    before = tarread._LateFile.count
+    before = lateread.LateFile.count
     samples = _read(path, True)
     fd = samples[0]["jpg"].file.fd
-    assert tarread._LateFile.count == before + 1
+    assert lateread.LateFile.count == before + 1
     del samples[:4]  # four unread samples gone, one left
-    assert os.fstat(fd) and tarread._LateFile.count == before + 1
+    assert os.fstat(fd) and lateread.LateFile.count == before + 1
     read_late(samples[0])  # the last Late member read: the sample holds bytes now
-    assert tarread._LateFile.count == before
+    assert lateread.LateFile.count == before
     with pytest.raises(OSError):
         os.fstat(fd)
 
 
 def test_at_most_LATE_FILES_shards_are_held_open(tmp_path, monkeypatch):
-    monkeypatch.setattr(tarread, "LATE_FILES", tarread._LateFile.count + 2)
+    monkeypatch.setattr(lateread, "LATE_FILES", lateread.LateFile.count + 2)
     held = [_read(_shard(tmp_path / f"{i}.tar", 3), True) for i in range(3)]
     assert [isinstance(samples[0]["jpg"], Late) for samples in held] == [True, True, False]
 
@@ -117,7 +118,7 @@ def test_a_refused_readahead_hint_changes_nothing_and_a_late_file_does_not_trave
         raise OSError(22, "Invalid argument")
 
     path = _shard(tmp_path / "a.tar", 3)
-    monkeypatch.setattr(tarread, "_ADVISE", refuse)
+    monkeypatch.setattr(tarread, "ADVISE", refuse)
     late = _read(path, True)
     with pytest.raises(TypeError, match="stays in the process"):
         pickle.dumps(late[0])

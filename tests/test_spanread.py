@@ -18,9 +18,10 @@ import pytest
 from tests.test_faults_data import _Quiet
 from wdsdist.data import tarread
 from wdsdist.data.index import offsets_entry
+from wdsdist.data.lateread import Late, read_late
 from wdsdist.data.shardspec import Access, SampleOffsets, Shard, _offsets
 from wdsdist.data.spanread import read_span
-from wdsdist.data.tarread import Late, Oversized, read_late, sample_offsets, tar_samples
+from wdsdist.data.tarread import Oversized, sample_offsets, tar_samples
 
 ACCESS = Access(http_timeout=10)
 BIG = 70_000  # above tarread's 64 KiB seek threshold
@@ -122,7 +123,7 @@ def test_a_local_span_is_what_islice_gives_for_every_start_and_stop(shard_files,
     ref = reference(raw, url, wanted)
     for start, stop in spans(N):
         got = list(read_span(shard, start, stop, ACCESS, wanted, late=late))
-        # late: the BIG members come as tarread.Late, read after the span's file is closed
+        # late: the BIG members come as lateread.Late, read after the span's file is closed
         big = any(i % 3 == 0 for i in range(start, min(N, N if stop is None else stop)))
         assert any(isinstance(v, Late) for s in got for v in s.values()) == (late and big)
         assert [read_late(s) for s in got] == ref[start:stop], (start, stop)

@@ -80,7 +80,7 @@ class StreamOptions:
     decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
     # The first batch: worker 0 decodes its crops on one thread per worker while the others wait (warmstart.py)
     warm_start: bool = True
-    # Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves (tarread.Late)
+    # Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves (lateread.py)
     read_late: bool = True
 
 

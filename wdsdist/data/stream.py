@@ -24,13 +24,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from wdsdist.data.batches import collate
 from wdsdist.data.decode import make_transform, prepare_sample
 from wdsdist.data.jpegcrop import crop_decoder
+from wdsdist.data.lateread import read_late
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
 from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
-from wdsdist.data.tarread import open_shard, read_late, tar_samples
+from wdsdist.data.tarread import open_shard, tar_samples
 from wdsdist.data.warmstart import WarmStart, threads_for
 from wdsdist.data.workers import pin_malloc_threshold, warn_skip
 from wdsdist.errors import DataError

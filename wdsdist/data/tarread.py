@@ -14,21 +14,7 @@ The data is untrusted: a member larger than ``max_member`` is skipped without be
 sample carries an ``Oversized`` in its place, for the caller to refuse), and a size no reader
 could honour (negative) fails the shard, since the next header's place is then unknown.
 
-Late reads (``late``, loader.read_late). A worker's shuffle buffer holds its 1,000 samples long
-before they are decoded: at ImageNet sizes, 90-110 MB of JPEG bytes per worker, most of its
-heap. From a local, uncompressed shard, a wanted member of ``LATE_MIN`` bytes or more is not
-read with its header: the sample carries a ``Late`` (where the bytes lie), and ``read_late``
-reads them with one ``pread`` as the sample leaves the buffer, just before its decode, which
-then finds them in the CPU's cache. Measured on the bench (2 workers, 87 KB JPEGs): the loader's
-PSS went from 854-862 MB to 784-787 MB (each worker's heap from 110 MB to 60 MB), samples/s up
-3 %, the first batch from 0.15-0.16 s to 0.12-0.13 s. The file stays open (a descriptor of its
-own) while any of its Late members lives, at most ``LATE_FILES`` files a process; beyond that,
-members are read at once. Passing over the data defeats the kernel's readahead, so the reader
-asks for the bytes ahead itself (``posix_fadvise``). A member cut short fails the shard as
-before (its end is checked against the file's size), and so does a file cut while its headers
-are read (seeking past a file's end never fails, so where the headers end early the size is
-checked again); a file that shrinks later fails the samples it no longer holds, each a bad
-sample of its own.
+Late reads (``late``, loader.read_late): lateread.py.
 """
 
 from __future__ import annotations
@@ -40,7 +26,6 @@ import io
 import lzma
 import os
 import re
-import stat
 import struct
 import tarfile
 from collections.abc import Iterator
@@ -49,6 +34,7 @@ import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
 from wdsdist.data import httpopen, s3open, shardspec
+from wdsdist.data.lateread import ADVISE, AHEAD, LATE_MIN, Late, LateFile, late_file
 from wdsdist.data.shardspec import Access
 from wdsdist.errors import DataError
 
@@ -80,83 +66,6 @@ class Oversized:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Oversized) and other.size == self.size
-
-
-LATE_MIN = 4096  # smaller members are read with their headers: the copy costs less than a later pread
-LATE_FILES = 64  # shards a process holds open for late reads; beyond, members are read at once
-_AHEAD = 8 << 20  # bytes of a late-read shard asked ahead of its headers (posix_fadvise WILLNEED)
-_ADVISE = getattr(os, "posix_fadvise", None)  # not on macOS
-
-
-class Late:
-    """In a sample, in place of a member's data: where the data lies in a local shard, to be read
-    when the sample leaves the shuffle buffer (``read_late``, loader.read_late)."""
-
-    __slots__ = ("file", "offset", "size")
-
-    def __init__(self, file: _LateFile, offset: int, size: int):
-        self.file, self.offset, self.size = file, offset, size
-
-    def __repr__(self) -> str:
-        return f"Late({self.offset}, {self.size})"
-
-    def read(self) -> bytes:
-        data = os.pread(self.file.fd, self.size, self.offset)
-        while 0 < len(data) < self.size:  # one pread gives 2 GiB at most
-            more = os.pread(self.file.fd, self.size - len(data), self.offset + len(data))
-            if not more:
-                break
-            data += more
-        if len(data) != self.size:  # the file shrank since its headers were read
-            raise OSError(f"{self.size} bytes at byte {self.offset}, and the file holds {len(data)} of them")
-        return data
-
-
-class _LateFile:
-    """A shard's file, held open (its own descriptor) while any of its Late members is alive."""
-
-    count = 0  # open in this process
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
-        _LateFile.count += 1
-
-    def __del__(self) -> None:
-        _LateFile.count -= 1
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-    def __reduce__(self):
-        # A descriptor means nothing in another process (and its copy would close another file).
-        raise TypeError("a shard's late-read file stays in the process that opened it")
-
-
-def _late_file(stream, consumed: int) -> tuple[_LateFile | None, int]:
-    """A local shard's file for late reads and the byte at which its first header lies
-    (``consumed`` bytes ago); None where the stream is no regular file or too many are open."""
-    if _LateFile.count >= LATE_FILES or not hasattr(os, "pread"):  # no pread: Windows
-        return None, 0
-    try:
-        fd = stream.fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not stream.seekable():
-            return None, 0
-        base = stream.tell() - consumed
-        return _LateFile(os.dup(fd), os.fstat(fd).st_size), base
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
-        return None, 0
-
-
-def read_late(sample: dict) -> dict:
-    """The sample with its Late members read (in place); raises DataError naming the shard, the
-    key and the member where the file no longer holds them."""
-    for name, value in sample.items():
-        if isinstance(value, Late):
-            try:
-                sample[name] = value.read()
-            except OSError as exc:
-                where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
-                raise DataError(f"{where}: cannot read its {name}: {exc}") from None
-    return sample
 
 
 class _Prepended:
@@ -261,7 +170,7 @@ def _members(
     limit: int | None,
     skip: int = 0,
     count: int | None = None,
-    late: _LateFile | None = None,
+    late: LateFile | None = None,
     base: int = 0,
 ) -> Iterator[tuple[str, str, bytes | Oversized | Late | None, int]]:
     """(key, suffix, data, at) for each regular sample member; data is None where the suffix is
@@ -282,10 +191,10 @@ def _members(
         if len(header) < BLOCK:
             if header:
                 raise tarfile.ReadError("unexpected end of data")
-            if late is not None and os.fstat(late.fd).st_size < late.size:
+            if late is not None and (now := os.fstat(late.fd).st_size) < late.size:
                 # Passing over late members by seeking, a file cut short meanwhile ends here
                 # rather than in a member's data: it fails as a cut file read at once does.
-                raise tarfile.ReadError(f"unexpected end of data: the file shrank to {os.fstat(late.fd).st_size} bytes")
+                raise tarfile.ReadError(f"unexpected end of data: the file shrank to {now} bytes")
             return
         if header.count(0) == BLOCK:  # end-of-archive marker
             return
@@ -335,13 +244,13 @@ def _members(
                     if where + size > late.size:
                         raise tarfile.ReadError("unexpected end of data")
                     _skip(stream, size + padding, seek_above=0)
-                    if where + size > ahead - _AHEAD // 2 and _ADVISE is not None:
+                    if where + size > ahead - AHEAD // 2 and ADVISE is not None:
                         # Passing over the data defeats the kernel's readahead: ask for the next
                         # bytes ourselves, so that headers and late reads find them in memory.
                         start = max(ahead, where)
                         with contextlib.suppress(OSError):  # a hint, which a file system may refuse
-                            _ADVISE(late.fd, start, _AHEAD, os.POSIX_FADV_WILLNEED)
-                        ahead = start + _AHEAD
+                            ADVISE(late.fd, start, AHEAD, os.POSIX_FADV_WILLNEED)
+                        ahead = start + AHEAD
                     yield key, suffix.lower(), Late(late, where, size), at
                 elif wanted is None or suffix.lower() in wanted:
                     data = _read_exactly(stream, size)
@@ -411,7 +320,7 @@ def tar_samples(
         raise tarfile.ReadError("empty file")
     if not is_tar_header(head):
         raise tarfile.ReadError("invalid header")
-    file, base = _late_file(stream, len(head)) if late else (None, 0)
+    file, base = late_file(stream, len(head)) if late else (None, 0)
     sample: dict | None = None
     for key, suffix, data, _ in _members(stream, head, wanted, max_member, skip, count, file, base):
         if sample is None or key != sample["__key__"]:
