@@ -457,7 +457,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_resume_conti
     assert stopped.group(2) == str(run / f"ckpt-{step:07d}.pt")
     assert os.readlink(run / "latest.pt") == f"ckpt-{step:07d}.pt"
     ckpt = load(run / "latest.pt")
-    assert ckpt["step"] == step and [s["rank"] for s in ckpt["loader"]] == [0, 1]
+    assert ckpt["step"] == step and [s["rank"] for s in ckpt["loader"]["ranks"]] == [0, 1]
     assert not list(run.glob("*.tmp*"))
 
     proc = torchrun(2, *args(shards, run, "trainer.resume=auto", f"trainer.steps={step + 2}"))

@@ -36,6 +36,26 @@ def test_data_imports_neither_train_nor_tools(path: Path) -> None:
     assert wrong == [], f"{path.relative_to(ROOT)} imports {wrong}: data/ must not depend on train/ or tools/"
 
 
+@pytest.mark.parametrize("path", sorted((PACKAGE / "train").rglob("*.py")), ids=lambda p: p.name)
+def test_train_uses_only_the_loaders_public_api(path: Path) -> None:
+    """The trainer is a user of the loader like any other: only names in wdsdist.data.__all__."""
+    import wdsdist.data
+
+    used = {n.removeprefix("wdsdist.data.") for n in imported_modules(path) if n.startswith("wdsdist.data.")}
+    private = sorted(used - set(wdsdist.data.__all__))
+    assert private == [], f"{path.relative_to(ROOT)} reaches past wdsdist.data's public API: {private}"
+
+
+def test_every_public_name_resolves() -> None:
+    import wdsdist.data
+
+    assert sorted(wdsdist.data.__all__) == wdsdist.data.__all__
+    missing = [name for name in wdsdist.data.__all__ if getattr(wdsdist.data, name, None) is None]
+    assert missing == []
+    with pytest.raises(AttributeError):
+        wdsdist.data.RankLoader  # noqa: B018 (private: not exported)
+
+
 def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
     """The test above would pass vacuously if it missed an import form."""
     probe = tmp_path / "wdsdist" / "data" / "probe.py"

@@ -130,7 +130,7 @@ def test_one_process_writes_tensorboard_checkpoints_and_counts_every_val_sample(
     # No scheduler state: the learning rate is a function of the step.
     assert {"model", "optimizer", "rng", "loader", "config"} <= ckpt.keys() and "scheduler" not in ckpt
     assert ckpt["config"]["trainer"]["steps"] == 4
-    assert ckpt["loader"][0]["point"]["epoch"] == 0
+    assert ckpt["loader"]["ranks"][0]["point"]["epoch"] == 0
     assert "steps: 4" in (run / "config.yaml").read_text()
     assert not list(run.glob("*.tmp*"))
 
@@ -228,7 +228,7 @@ def test_epoch_mode_runs_whole_epochs(shards, tmp_path):
     )
     assert summary["steps"] == 24
     ckpt = load(tmp_path / "run" / "latest.pt")
-    assert ckpt["loader"][0]["point"]["epoch"] == 2 and ckpt["loader"][0]["batches"] == 0
+    assert ckpt["loader"]["ranks"][0]["point"]["epoch"] == 2 and ckpt["loader"]["ranks"][0]["batches"] == 0
 
 
 def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_path):
@@ -243,7 +243,7 @@ def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_p
     assert summary["val_class_samples"] == shards["val_classes"]
     assert proc.stdout.count("done: 4 steps") == 1  # only rank 0 prints
     ckpt = load(run / "latest.pt")
-    assert ckpt["world"] == 2 and [s["rank"] for s in ckpt["loader"]] == [0, 1]
+    assert ckpt["world"] == 2 and [s["rank"] for s in ckpt["loader"]["ranks"]] == [0, 1]
 
 
 @pytest.mark.parametrize("nproc,mode", [(1, "repeat"), (2, "epoch")], ids=["world1-repeat", "world2-epoch"])
@@ -320,7 +320,7 @@ def test_epochs_of_the_sample_split_end_together_on_every_rank_under_torchrun(tm
     log = (run / "train.log").read_text()
     assert "split=samples: 5 batches of 8 per rank per epoch (80 samples), pad: 10 samples" in log
     ckpt = load(run / "latest.pt")
-    assert [(s["point"]["epoch"], s["batches"]) for s in ckpt["loader"]] == [(3, 0), (3, 0)]
+    assert [(s["point"]["epoch"], s["batches"]) for s in ckpt["loader"]["ranks"]] == [(3, 0), (3, 0)]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run)).Reload()

@@ -133,31 +133,27 @@ def resumed(tmp_path: Path, index: Path, old, new, stop: str, done: int, ckpt: P
     epoch1 = [p for r in after.values() for e, pos in r for p in pos if e == 1]
     assert sorted(p for p in epoch1 if p < N) == list(range(N)) and len(epoch1) == k_new * new[0] * BS
     ckpt = load(second / "latest.pt")
-    assert [s["point"]["epoch"] for s in ckpt["loader"]] == [2] * new[0] and "elastic" not in ckpt["loader"][0]
+    assert [s["point"]["epoch"] for s in ckpt["loader"]["ranks"]] == [2] * new[0] and "elastic" not in ckpt["loader"][
+        "ranks"
+    ][0]
 
 
 @pytest.mark.parametrize("split", ["shards", "samples", None])
-def test_another_layout_in_epoch_mode_needs_split_samples(split):
-    """In-process: what the trainer hands the loader from a checkpoint of another layout."""
-    from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
-
+def test_another_layout_in_epoch_mode_needs_split_samples(split, tmp_path):
+    """In-process: what the loader does with a checkpoint's loader state of another layout."""
+    from wdsdist.data import Loader, LoaderConfig
     from wdsdist.errors import UserError
-    from wdsdist.train.checkpoint import loader_state_for
 
-    cfg = OmegaConf.create({"loader": {"mode": "epoch", "split": split, "dsrepeat": 1}, "trainer": {"workers": 1}})
-    ckpt = {"world": 2, "workers": 1, "loader": [{"rank": 0}, {"rank": 1}]}
-    dist = SimpleNamespace(world=1, rank=0, is_main=True)
+    index = write_tiny_shards(tmp_path, [6, 6])
+    cfg = LoaderConfig(batch_size=2, workers=1, mode="epoch", split=split)
+    loader = Loader(str(index), cfg, rank=0, world=1)
+    with pytest.raises(UserError) as exc:
+        loader.load_state_dict({"ranks": [{"rank": 0, "workers": 1}, {"rank": 1, "workers": 1}]}, "ckpt-0000002.pt")
     if split == "shards":
-        with pytest.raises(UserError) as exc:
-            loader_state_for(ckpt, "ckpt-0000002.pt", dist, cfg)
         assert str(exc.value) == (
             "ckpt-0000002.pt was saved with 2 ranks x 1 workers, now 1 x 1: loader.mode=epoch resumes on another "
             "layout only with loader.split=samples (with split=shards: the same ranks and workers)"
         )
-    else:  # every rank's state, for the loader to re-split (split=samples is the epoch default)
-        assert loader_state_for(ckpt, "ckpt-0000002.pt", dist, cfg) == {
-            "resize": ckpt["loader"],
-            "checkpoint": "ckpt-0000002.pt",
-        }
+    else:  # every rank's state goes to the re-split (split=samples is the epoch default), which wants its keys
+        assert str(exc.value).startswith("ckpt-0000002.pt was saved with 2 ranks x 1 workers, now 1 x 1, and its ")
+        assert "lacks what a re-split needs" in str(exc.value)

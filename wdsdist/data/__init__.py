@@ -1,2 +1,83 @@
-"""The loader: shard specs and URLs, the index, splitting and planning (pure), tar reading,
-decoding, the pipeline and its resume state. It imports nothing from ``train`` or ``tools``."""
+"""The loader: WebDataset shards (local, http(s), s3://, gs://) to equal batches on every rank.
+
+The public API is what ``__all__`` names; the other modules of this package are its inside and
+may change. The shortest correct loop on it is examples/ddp_loop.py; PyTorch Lightning's
+DataModule is ``wdsdist.lightning``. This package imports nothing from ``train`` or ``tools``.
+
+The names load on first use (PEP 562), so importing a light module of the package (its options,
+shard specs) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> (module, its name there)
+_EXPORTS = {
+    "DataError": ("wdsdist.errors", "DataError"),
+    "EvalLoader": ("wdsdist.data.loader", "EvalLoader"),
+    "Loader": ("wdsdist.data.loader", "Loader"),
+    "LoaderConfig": ("wdsdist.data.options", "LoaderConfig"),
+    "LoaderMode": ("wdsdist.data.options", "LoaderMode"),
+    "Plan": ("wdsdist.data.splits", "Plan"),
+    "Remainder": ("wdsdist.data.options", "Remainder"),
+    "SampleOptions": ("wdsdist.data.options", "SampleOptions"),
+    "Shard": ("wdsdist.data.shardspec", "Shard"),
+    "ShardSpec": ("wdsdist.data.loader", "ShardSpec"),
+    "Split": ("wdsdist.data.options", "Split"),
+    "StreamOptions": ("wdsdist.data.options", "StreamOptions"),
+    "Transform": ("wdsdist.data.loader", "Transform"),
+    "UserError": ("wdsdist.errors", "UserError"),
+    "dist_layout": ("wdsdist.data.loader", "dist_layout"),
+    "expand_shards": ("wdsdist.data.pipeline", "resolve_shards"),
+    "option_problems": ("wdsdist.data.options", "option_problems"),
+}
+__all__ = [
+    "DataError",
+    "EvalLoader",
+    "Loader",
+    "LoaderConfig",
+    "LoaderMode",
+    "Plan",
+    "Remainder",
+    "SampleOptions",
+    "Shard",
+    "ShardSpec",
+    "Split",
+    "StreamOptions",
+    "Transform",
+    "UserError",
+    "dist_layout",
+    "expand_shards",
+    "option_problems",
+]
+
+if TYPE_CHECKING:
+    from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
+    from wdsdist.data.options import (
+        LoaderConfig,
+        LoaderMode,
+        Remainder,
+        SampleOptions,
+        Split,
+        StreamOptions,
+        option_problems,
+    )
+    from wdsdist.data.pipeline import resolve_shards as expand_shards
+    from wdsdist.data.shardspec import Shard
+    from wdsdist.data.splits import Plan
+    from wdsdist.errors import DataError, UserError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'wdsdist.data' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -221,3 +221,17 @@ def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterato
     for name, ok, rule in rules:
         if not ok(section):
             yield f"{prefix}{name}={getattr(section, name)}: {rule}"
+
+
+def option_problems(*, batch: Any = None, sample: Any = None, stream: Any = None) -> Iterator[str]:
+    """Every rule of the loader's that these sections break, as ``key=value: rule`` lines named in
+    a trainer's config terms: ``batch`` holds batch_size and workers (``trainer.``), ``sample``
+    extends SampleOptions (``data.``), ``stream`` extends StreamOptions (``loader.``). A
+    LoaderConfig checks the same rules itself when it is made."""
+    for section, rules, prefix in (
+        (batch, BATCH_RULES, "trainer."),
+        (sample, SAMPLE_RULES, "data."),
+        (stream, STREAM_RULES, "loader."),
+    ):
+        if section is not None:
+            yield from problems(section, rules, prefix)

@@ -43,9 +43,10 @@ import functools
 import multiprocessing
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
+import torch
 import webdataset as wds
 
 from wdsdist.data import jpegcrop, shardspec
@@ -93,6 +94,7 @@ class RankLoader:
         cfg: LoaderConfig,
         state: dict | None = None,
         plan_: Plan | None = None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         if cfg.train and cfg.decode_region:
             lib = jpegcrop.load()  # built here, once, before the workers start
@@ -139,7 +141,7 @@ class RankLoader:
         # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
         warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
         gate = multiprocessing.get_context().Event() if warm else None
-        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate)
+        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate, transform)
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,

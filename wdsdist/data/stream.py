@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -125,6 +126,22 @@ def _skip(skipped: list[list[int]], epoch: int, seq: int) -> None:
         skipped.append([epoch, seq, seq + 1])
 
 
+def transformed(transform: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor, size: int, sample: dict):
+    """The caller's transform of one image; what it returns must fit the batch's buffer. An error
+    in it is the caller's code, not bad data: it is raised, with the sample named."""
+    try:
+        out = transform(image)
+    except Exception as exc:
+        exc.add_note(f"in the loader's transform, on {sample.get('__url__')}: sample {sample.get('__key__')!r}")
+        raise
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (3, size, size):
+        got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(
+            f"the loader's transform must return a uint8 tensor of shape (3, {size}, {size}); it returned a {got}"
+        )
+    return out
+
+
 class ShardStream(IterableDataset):
     """One rank's stream: splits, shuffles, reads, decodes and batches inside each worker."""
 
@@ -138,6 +155,7 @@ class ShardStream(IterableDataset):
         shared: SharedBatches | None = None,
         elastic: dict[int, Ranges] | None = None,
         gate: Any | None = None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -152,6 +170,7 @@ class ShardStream(IterableDataset):
         self.epoch = -1  # the last epoch begun, in each worker
         self.gate = gate  # loader.warm_start: set when worker 0's first batch is made (warmstart.py)
         self.warmed = False  # in each worker: its first batch was begun
+        self.transform = transform  # the caller's, on each training image after its crop and flip
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
         """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
@@ -353,6 +372,8 @@ class ShardStream(IterableDataset):
                     _skip(skipped, epoch, seq)
                     continue
                 image, label = done
+                if self.transform is not None:
+                    image = transformed(self.transform, image, cfg.image_size, sample)
                 key = sample["__key__"] if cfg.with_keys else None
                 ids = (epoch, worker, seq, sample.get(POSITION, -1))
                 warm.row()

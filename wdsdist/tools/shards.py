@@ -36,6 +36,7 @@ from wdsdist.data.index import (
     index_desc,
     index_path,
     local_sample_offsets,
+    read_index,
     write_beside,
 )
 from wdsdist.errors import UserError
@@ -489,3 +490,16 @@ def from_synthetic(
         classes=list(synthetic.CLASSES),
         synthetic={"seed": seed, "split": split, "size": size},
     )
+
+
+def synthetic_is_current(index: str, key: str, want: dict, nsamples: int) -> bool:
+    """Whether the synthetic data set at ``index`` was written with ``want`` (seed, split, size)
+    and holds ``nsamples``; refused (one line naming ``key``) when ``index`` is not synthetic data."""
+    if not os.path.exists(index):
+        return False
+    desc = read_index(index)
+    if desc.get("synthetic") is None:
+        raise UserError(
+            f"{key}={index} is not synthetic data: for shards of your own use data=shards data.num_classes=N"
+        )
+    return desc["synthetic"] == want and desc["nsamples"] == nsamples

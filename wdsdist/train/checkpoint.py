@@ -22,12 +22,9 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist.data.elastic import rank_state
-from wdsdist.data.options import Split, default_split
-from wdsdist.data.pipeline import RankLoader
+from wdsdist.data import Loader
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
-from wdsdist.train.config import LoaderMode
 from wdsdist.train.distributed import Dist
 from wdsdist.train.faults import Watchdog
 from wdsdist.train.report import Reporter
@@ -150,13 +147,13 @@ def save_checkpoint(
     dist: Dist,
     model: nn.Module,
     opt: torch.optim.Optimizer,
-    loader: RankLoader,
+    loader: Loader,
     cfg: DictConfig,
     keep: int,
 ) -> str | None:
     """Collective: every rank hands in its loader position and RNG state; rank 0 writes."""
-    gathered = distributed.all_gather_object((loader.state_dict(), rng_state(dist)))  # one collective
-    loaders, rngs = [g[0] for g in gathered], [g[1] for g in gathered]
+    loaders = loader.state_dict()  # every rank's position
+    rngs = distributed.all_gather_object(rng_state(dist))
     if not dist.is_main:
         return None
     ckpt = {
@@ -202,7 +199,7 @@ class Checkpointer:
         cfg: DictConfig,
         model: nn.Module,
         opt: torch.optim.Optimizer,
-        loader: RankLoader,
+        loader: Loader,
         report: Reporter,
         watchdog: Watchdog,
     ):
@@ -358,29 +355,3 @@ def restore(ckpt: dict, path: str, dist: Dist, cfg: DictConfig, model: nn.Module
     else:  # another layout: new per-rank streams, not a replay of the first steps'
         torch.manual_seed(cfg.seed + dist.rank + 1000 * step)
     return step
-
-
-def loader_state_for(ckpt: dict, path: str, dist: Dist, cfg: DictConfig) -> dict | None:
-    """This rank's saved loader position; on another layout with loader.split=samples, every rank's
-    (the loader re-splits the epochs in flight over this layout: data/elastic.py); or None (with a
-    warning) when the layout changed in a mode that starts a fresh stream (split=shards in repeat
-    mode, resampled mode). Epoch mode with split=shards refuses: its epochs would not add up."""
-    same = ckpt["world"] == dist.world and ckpt["workers"] == cfg.trainer.workers
-    if same:
-        return rank_state(ckpt["loader"], dist.rank)
-    what = f"{ckpt['world']} ranks x {ckpt['workers']} workers, now {dist.world} x {cfg.trainer.workers}"
-    samples = (cfg.loader.split or default_split(cfg.loader.mode, cfg.loader.dsrepeat)) == Split.samples
-    if samples and cfg.loader.mode != LoaderMode.resampled:
-        return {"resize": ckpt["loader"], "checkpoint": path}
-    if cfg.loader.mode == LoaderMode.epoch:
-        raise UserError(
-            f"{path} was saved with {what}: loader.mode=epoch resumes on another layout only with "
-            f"loader.split=samples (with split=shards: the same ranks and workers)"
-        )
-    if dist.is_main:
-        print(
-            f"warning: {path} was saved with {what}: the loader starts a fresh, reseeded stream "
-            f"(loader.split=samples would resume it exactly)",
-            file=sys.stderr,
-        )
-    return None

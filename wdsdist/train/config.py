@@ -28,15 +28,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from wdsdist.data.options import (
-    BATCH_RULES,
-    SAMPLE_RULES,
-    STREAM_RULES,
-    LoaderMode,
-    SampleOptions,
-    StreamOptions,
-    problems,
-)
+from wdsdist.data import LoaderMode, SampleOptions, StreamOptions, option_problems
 from wdsdist.errors import DataError, JobError, UserError, die
 
 
@@ -152,14 +144,9 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     t, d, o, ld = cfg.trainer, cfg.data, cfg.optim, cfg.loader
     # The loader's own rules (data/options.py), named in config terms: batch_size and workers
     # are trainer keys here.
-    for section, rules, prefix in (
-        (t, BATCH_RULES, "trainer."),
-        (d, SAMPLE_RULES, "data."),
-        (ld, STREAM_RULES, "loader."),
-    ):
-        problem = next(problems(section, rules, prefix), None)
-        if problem is not None:
-            raise UserError(problem)
+    problem = next(option_problems(batch=t, sample=d, stream=ld), None)
+    if problem is not None:
+        raise UserError(problem)
     for key in ("trainer.steps", "trainer.log_every", "trainer.keep"):
         need(OmegaConf.select(cfg, key) >= 1, key, "must be >= 1")
     for key in ("trainer.eval_every", "trainer.ckpt_every"):

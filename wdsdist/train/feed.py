@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from wdsdist.data.pipeline import RankLoader
+from wdsdist.data import Loader
 from wdsdist.errors import DataError
 from wdsdist.train import distributed, faults
 from wdsdist.train.config import LoaderMode
@@ -19,7 +19,7 @@ class Feed:
     """This rank's batches, and what every rank must agree on before each step: whether any rank
     was asked to stop, and (epoch mode) whether any rank ran out of this epoch's batches."""
 
-    def __init__(self, cfg: DictConfig, dist: Dist, loader: RankLoader, stop: faults.StopRequest, report: Reporter):
+    def __init__(self, cfg: DictConfig, dist: Dist, loader: Loader, stop: faults.StopRequest, report: Reporter):
         self.dist, self.loader, self.stop, self.report = dist, loader, stop, report
         self.mode, self.batch_size = cfg.loader.mode, cfg.trainer.batch_size
         self.batches: Any = None  # the loader's iterator, started at the first batch
@@ -68,15 +68,15 @@ class Feed:
             if not self.dist.is_main:
                 raise SystemExit(2)
             raise DataError(
-                f"epoch {self.loader.tracker.epoch}: a rank delivers not one batch of {self.batch_size} "
+                f"epoch {self.loader.epoch}: a rank delivers not one batch of {self.batch_size} "
                 f"(its shards lost too many samples; see the warnings)"
             )
         if self.some_have:
             out = [r for r, none in enumerate(distributed.all_gather_object(batch is None)) if none]
             self.report.line(
-                f"epoch {self.loader.tracker.epoch} ends early at step {step} on every rank: "
+                f"epoch {self.loader.epoch} ends early at step {step} on every rank: "
                 f"rank{'s' if len(out) > 1 else ''} {', '.join(map(str, out))} ran out of data before the plan's "
-                f"{self.loader.epoch_batches} batches (bad samples or shards skipped; see the warnings)"
+                f"{len(self.loader)} batches (bad samples or shards skipped; see the warnings)"
             )
         self.loader.end_epoch()
         self.batches = iter(self.loader)

@@ -18,7 +18,7 @@ from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
 
 if TYPE_CHECKING:
-    from wdsdist.data.splits import Plan
+    from wdsdist.data import Plan
     from wdsdist.train.trainer import Run
 
 

@@ -21,18 +21,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist.data.index import read_index
-from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import RankLoader, make_eval_loader, make_loader, resolve_shards
-from wdsdist.data.shardspec import Shard
+from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, expand_shards
 from wdsdist.errors import UserError
 from wdsdist.tools.outfolder import make_output_folder
-from wdsdist.tools.shards import check_local_output, from_synthetic
+from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_is_current
 from wdsdist.train import distributed, faults
 from wdsdist.train.checkpoint import (
     Checkpointer,
     load_resume,
-    loader_state_for,
     refuse_foreign_run_dir,
     remove_stale_tmp,
     resolve_run_dir,
@@ -64,15 +60,8 @@ def ensure_synthetic(cfg: DictConfig) -> None:
                 f"{key}={index}: with data.synthetic set it must name the index to write (DIR/PREFIX.index.json); "
                 f"for shards of your own use data=shards data.num_classes=N"
             )
-        want = {"seed": s.seed, "split": split, "size": s.size}
-        if os.path.exists(index):
-            desc = read_index(index)
-            if desc.get("synthetic") is None:
-                raise UserError(
-                    f"{key}={index} is not synthetic data: for shards of your own use data=shards data.num_classes=N"
-                )
-            if desc["synthetic"] == want and desc["nsamples"] == n:
-                continue
+        if synthetic_is_current(index, key, {"seed": s.seed, "split": split, "size": s.size}, n):
+            continue
         outdir, prefix = os.path.dirname(index) or ".", os.path.basename(index)[: -len(".index.json")]
         make_output_folder(outdir, key)
         print(f"writing {n} synthetic {split} images ({s.size}x{s.size}) to {outdir}/ (once)", flush=True)
@@ -93,7 +82,7 @@ def shards_of(key: str, spec: str, loader_cfg: LoaderConfig) -> list[Shard]:
     """The shards a data key names; an error names the key (a spec matching nothing, missing
     shards in strict mode, a refused pipe: URL)."""
     try:
-        return resolve_shards(spec, loader_cfg)
+        return expand_shards(spec, loader_cfg)
     except UserError as exc:
         raise UserError(f"{key}: {exc}") from None
 
@@ -125,36 +114,43 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str]]:
     return run_dir, stale
 
 
-def build_loaders(cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None) -> tuple[RankLoader, Any]:
+def build_loaders(cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None) -> tuple[Loader, Any]:
     """This rank's train loader (at its saved position when resuming) and eval loader (or None).
     Every rank builds, and so checks, its own: a layout that would hang stops here."""
-    loader_state = on_all_ranks(lambda: loader_state_for(ckpt, resume_path, dist, cfg)) if ckpt else None
-    seed = cfg.seed
-    if ckpt is not None and loader_state is None:
-        seed = cfg.seed + int(ckpt["step"])  # a fresh stream must not replay the first samples
-    loader_cfg = loader_config(cfg, dist, seed)
+    loader_cfg = loader_config(cfg, dist, cfg.seed)
     train_shards = on_all_ranks(lambda: shards_of("data.train_shards", cfg.data.train_shards, loader_cfg))
-    train_loader = on_all_ranks(
-        lambda: in_config_terms(make_loader, train_shards, dist.rank, dist.world, loader_cfg, loader_state)
-    )
+
+    def train_loader() -> Loader:
+        loader = Loader(train_shards, loader_cfg, rank=dist.rank, world=dist.world, group=distributed.control_group())
+        if ckpt is not None:
+            loader.load_state_dict(loader_state_of(ckpt), where=str(resume_path))
+        return loader
+
+    loader = on_all_ranks(lambda: in_config_terms(train_loader))
     eval_loader = None
     if cfg.data.val_shards:
         val_shards = on_all_ranks(lambda: shards_of("data.val_shards", cfg.data.val_shards, loader_cfg))
-        eval_loader = on_all_ranks(lambda: make_eval_loader(val_shards, dist.rank, dist.world, loader_cfg))
-    return train_loader, eval_loader
+        eval_loader = on_all_ranks(lambda: EvalLoader(val_shards, loader_cfg, rank=dist.rank, world=dist.world))
+    return loader, eval_loader
 
 
-def epoch_steps(loader: RankLoader, epochs: int, done: int) -> int:
+def loader_state_of(ckpt: dict) -> dict | list:
+    """The loader state a checkpoint holds: Loader.state_dict()'s, or, in checkpoints written
+    before it held the steps, the list of every rank's state (a fresh stream is then reseeded
+    with the checkpoint's step, so it does not replay the first samples)."""
+    state = ckpt["loader"]
+    return state if isinstance(state, dict) else {"ranks": state, "steps": int(ckpt["step"])}
+
+
+def epoch_steps(loader: Loader, epochs: int, done: int) -> int:
     """trainer.epochs as steps: the steps done, the rest of the epoch under way, and whole epochs
     to ``epochs``. After an elastic resume the epoch under way has its own length (the remaining
     samples re-split) and the later ones the new layout's, so the total differs from the first
     run's; the learning rate schedule follows the new total (lr_at reads it every step)."""
-    epoch, consumed = loader.tracker.epoch, loader.tracker.batches
-    if consumed >= (loader.epoch_batches or 0):
-        epoch, consumed = epoch + 1, 0
+    epoch = loader.epoch
     if epoch >= epochs:
         return done
-    return done + (loader.batches_of(epoch) or 0) - consumed + (epochs - epoch - 1) * (loader.plan_batches or 0)
+    return done + len(loader) - loader.batches_done + (epochs - epoch - 1) * (loader.batches_per_epoch or 0)
 
 
 @dataclass

@@ -1,0 +1,249 @@
+"""The public loader: one rank's training batches from WebDataset shards, and its evaluation pass.
+
+``Loader`` is what a training loop iterates, whether it is ours (train.py), a plain torchrun loop
+(examples/ddp_loop.py) or PyTorch Lightning (wdsdist.lightning). It follows the protocol of
+torchdata's ``StatefulDataLoader``: ``state_dict()`` before a checkpoint, ``load_state_dict()``
+before the first ``iter()`` of a resumed run. Unlike a per-rank state, ours holds every rank's
+position (gathered over ``torch.distributed``), because Lightning and most checkpointers write
+rank 0's copy only, and because a resume on another number of ranks or workers needs all of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from wdsdist.data.elastic import Resize, rank_state
+from wdsdist.data.options import LoaderConfig, LoaderMode
+from wdsdist.data.pipeline import RankLoader, check_layout, counted_shards, make_eval_loader, resolve_shards
+from wdsdist.data.shardspec import Shard
+from wdsdist.data.splits import Plan
+from wdsdist.errors import UserError
+
+STATE_FORMAT = "wdsdist-loader-v1"
+ShardSpec = str | Sequence[str] | Sequence[Shard]
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def dist_layout(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """(rank, world): those given, else torch.distributed's when it is initialised, else (0, 1)."""
+    if rank is None or world is None:
+        initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+        found = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if initialised else (0, 1)
+        rank = found[0] if rank is None else rank
+        world = found[1] if world is None else world
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1} (world size {world})")
+    return rank, world
+
+
+class Loader:
+    """One rank's training loader: iterate it for batches of uint8 images.
+
+    Each batch is a dict: ``image`` (uint8, N x 3 x S x S, channels_last memory), ``label``
+    (int64, N), ``id`` (int64, N x 3: epoch, worker, position in the worker's stream), ``pos``
+    (int64, N: the position in the epoch's sample sequence with ``split=samples``, else -1) and
+    ``bad`` (the samples and shard reads skipped before each row). Convert and normalise on the
+    device; the loader never makes float batches.
+
+    In ``mode=epoch`` each ``iter()`` is one epoch of the same number of batches on every rank,
+    and ``len()`` is that number, counted from the epoch's start (after a resume it includes the
+    batches delivered before it, as a progress bar or Lightning counts them). In ``mode=repeat``
+    (and ``resampled``) the batches never end and ``len()`` raises TypeError: count steps.
+
+    ``shards``: a spec (``DIR``, an index JSON, a brace pattern, URLs) or Shard objects.
+    ``rank`` and ``world``: by default torch.distributed's (or 0 and 1 without it).
+    ``transform``: applied in the worker to each training image after its crop and flip: takes
+    and returns a uint8 3 x S x S tensor (for example ``torchvision.transforms.v2.ColorJitter``);
+    it must be picklable where workers are spawned. ``group``: the process group for
+    ``state_dict``'s gather (default: torch.distributed's). ``mark_taken``: count a batch as
+    consumed only once ``taken(batch)`` is called (for a caller that fetches ahead of what it
+    trains, as Lightning does for a loader without a length).
+    """
+
+    def __init__(
+        self,
+        shards: ShardSpec,
+        config: LoaderConfig,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        transform: Transform | None = None,
+        group: Any = None,
+        mark_taken: bool = False,
+    ):
+        self.config = config
+        self.rank, self.world = dist_layout(rank, world)
+        self.shards = counted_shards(resolve_shards(shards, config), config)
+        self.plan: Plan | None = check_layout(self.shards, self.world, config)
+        self.transform, self.group, self.mark_taken = transform, group, mark_taken
+        self.resize: Resize | None = None  # set by an elastic load_state_dict: what became of the epoch
+        self.steps = 0  # batches taken since the run began (carried across resumes)
+        self._seed = config.seed
+        self._state: dict | None = None  # the internal per-rank state to start from
+        self._inner: RankLoader | None = None
+        self._stream: Iterator[dict] | None = None  # repeat mode: one stream for every iter()
+        self._held: deque[tuple[dict, int]] = deque()  # mark_taken: (state before, steps before) per batch
+        self._before_resume = 0  # batches of the epoch under way delivered before an elastic resume
+
+    # ------------------------------------------------------------ iteration
+
+    def _loader(self) -> RankLoader:
+        if self._inner is None:
+            config = replace(self.config, seed=self._seed) if self._seed != self.config.seed else self.config
+            self._inner = RankLoader(self.shards, self.rank, self.world, config, self._state, self.plan, self.transform)
+            self.resize = self._inner.resize
+        return self._inner
+
+    def __iter__(self) -> Iterator[dict]:
+        inner = self._loader()
+        if inner.epoch_batches is None:  # never ends: every iter() goes on with the one stream
+            if self._stream is None:
+                self._stream = iter(inner)
+            return self._deliver(self._stream, inner)
+        return self._deliver(iter(inner), inner)
+
+    def _deliver(self, batches: Iterator[dict], inner: RankLoader) -> Iterator[dict]:
+        while True:
+            before = (inner.state_dict(), self.steps) if self.mark_taken else None
+            batch = next(batches, None)
+            if batch is None:
+                if inner.epoch_batches is None:
+                    self._stream = None  # a stream that ended (its shards failed): the next iter() starts anew
+                elif inner.tracker.batches >= inner.epoch_batches:
+                    self._before_resume = 0  # the resumed epoch is over; the next is whole
+                return
+            self.steps += 1
+            if before is not None:
+                self._held.append(before)
+            yield batch
+
+    def taken(self, batch: dict | None = None) -> None:
+        """With ``mark_taken``: the oldest batch delivered and not yet taken is now consumed."""
+        if self._held:
+            self._held.popleft()
+
+    def __len__(self) -> int:
+        inner = self._loader()
+        if inner.epoch_batches is None:
+            raise TypeError(f"loader.mode={self.config.mode.value} has no length: its batches never end; count steps")
+        epoch, done = inner.tracker.epoch, inner.tracker.batches
+        if done >= inner.epoch_batches:  # the epoch under way is over: the next one's
+            return inner.batches_of(epoch + 1) or 0
+        return (inner.batches_of(epoch) or 0) + self._before_resume
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Epoch mode: the batches of a whole epoch on this layout (every rank the same); None in
+        repeat and resampled mode."""
+        return self._loader().plan_batches
+
+    @property
+    def batches_done(self) -> int:
+        """The batches delivered of the epoch under way, counted as ``len()`` counts them."""
+        inner = self._loader()
+        if inner.epoch_batches is None:
+            return inner.tracker.batches
+        if inner.tracker.batches >= inner.epoch_batches:
+            return 0
+        return inner.tracker.batches + self._before_resume
+
+    @property
+    def epoch(self) -> int:
+        """The epoch under way (epoch mode), or the newest one begun (repeat mode)."""
+        inner = self._loader()
+        if inner.epoch_batches is not None and inner.tracker.batches >= inner.epoch_batches:
+            return inner.tracker.epoch + 1
+        return inner.tracker.epoch
+
+    def end_epoch(self) -> None:
+        """Epoch mode: end the epoch under way now (another rank ran out of data after skipping
+        bad samples, and ranks must stay in step); the next ``iter()`` starts the next one."""
+        self._loader().end_epoch()
+        self._before_resume = 0
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """Every rank's exact position (a collective when torch.distributed runs with more than
+        one rank: call it on every rank). Small, picklable, JSON-friendly."""
+        inner = self._loader()
+        local, steps = self._held[0] if self._held else (inner.state_dict(), self.steps)
+        if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            ranks: list[Any] = [None] * self.world
+            torch.distributed.all_gather_object(ranks, local, group=self.group)
+        else:
+            ranks = [local]
+        return {"format": STATE_FORMAT, "ranks": ranks, "steps": steps, "before_resume": self._before_resume}
+
+    def load_state_dict(self, state: dict | list, where: str = "the loader state") -> None:
+        """Resume from ``state_dict()``'s result (every rank's), before the first ``iter()``.
+
+        On the same ranks and workers the position is exact. On another layout, with
+        ``split=samples``, the epoch under way is re-split exactly over the new layout (every
+        sample of it once, plus the stated padding); in repeat or resampled mode with
+        ``split=shards`` a fresh stream starts (reseeded: it does not replay the first
+        batches), with a warning; epoch mode with ``split=shards`` refuses (UserError).
+        ``where`` names the checkpoint in messages. A list is taken as every rank's states."""
+        if self._stream is not None or (self._inner is not None and self._inner.tracker.batches):
+            raise RuntimeError("load_state_dict() must come before the loader's first iter()")
+        if isinstance(state, list):
+            state = {"ranks": state}
+        if not isinstance(state, dict) or not state.get("ranks") or state.get("format", STATE_FORMAT) != STATE_FORMAT:
+            raise ValueError(f"{where} is not a wdsdist loader state ({STATE_FORMAT!r}: every rank's)")
+        ranks, cfg = state["ranks"], self.config
+        self.steps = int(state.get("steps", 0))
+        workers = ranks[0].get("workers", cfg.workers)
+        self._inner, self._seed, self._before_resume = None, cfg.seed, 0
+        if len(ranks) == self.world and workers == cfg.workers:
+            self._state = rank_state(ranks, self.rank)
+            self._before_resume = int(state.get("before_resume", 0))
+            return
+        what = f"{len(ranks)} ranks x {workers} workers, now {self.world} x {cfg.workers}"
+        if cfg.by_samples:
+            self._state = {"resize": ranks, "checkpoint": where}
+            point = ranks[0].get("point", {})
+            self.resize = self._loader().resize
+            if self.resize is not None and self.resize.epochs and self.resize.epochs[0][0] == point.get("epoch"):
+                self._before_resume = int(ranks[0].get("batches", 0)) + int(state.get("before_resume", 0))
+            return
+        if cfg.mode == LoaderMode.epoch:
+            raise UserError(
+                f"{where} was saved with {what}: loader.mode=epoch resumes on another layout only with "
+                f"loader.split=samples (with split=shards: the same ranks and workers)"
+            )
+        if self.rank == 0:
+            print(
+                f"warning: {where} was saved with {what}: the loader starts a fresh, reseeded stream "
+                f"(loader.split=samples would resume it exactly)",
+                file=sys.stderr,
+            )
+        self._state, self._seed = None, cfg.seed + self.steps
+
+
+class EvalLoader:
+    """This rank's share of an evaluation set: every sample exactly once across all ranks.
+
+    Ranks may get different numbers of batches (no padding, nothing dropped), so evaluate without
+    a collective per batch: sum the correct predictions and the samples on each rank, then
+    all-reduce the sums once. Batches are as ``Loader``'s, resized and centre-cropped to
+    ``config.image_size``; each ``iter()`` is one whole pass.
+    """
+
+    def __init__(self, shards: ShardSpec, config: LoaderConfig, *, rank: int | None = None, world: int | None = None):
+        self.config = config
+        self.rank, self.world = dist_layout(rank, world)
+        self._loader = make_eval_loader(shards, self.rank, self.world, config)
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self._loader)
+
+
+def is_loader_state(state: Any) -> bool:
+    """Whether ``state`` is a ``Loader.state_dict()`` result (ranks in rank order)."""
+    return isinstance(state, dict) and state.get("format") == STATE_FORMAT and bool(state.get("ranks"))
