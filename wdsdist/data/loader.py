@@ -174,11 +174,11 @@ class Loader:
         one rank: call it on every rank). Small, picklable, JSON-friendly."""
         inner = self._loader()
         local, steps = self._held[0] if self._held else (inner.state_dict(), self.steps)
+        ranks: list[Any] = [None] * self.world
         if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks: list[Any] = [None] * self.world
             torch.distributed.all_gather_object(ranks, local, group=self.group)
-        else:
-            ranks = [local]
+        else:  # no process group: this rank's own (a same-layout resume of this rank only)
+            ranks[self.rank] = local
         return {"format": STATE_FORMAT, "ranks": ranks, "steps": steps, "before_resume": self._before_resume}
 
     def load_state_dict(self, state: dict | list, where: str = "the loader state") -> None:
@@ -198,12 +198,18 @@ class Loader:
             raise ValueError(f"{where} is not a wdsdist loader state ({STATE_FORMAT!r}: every rank's)")
         ranks, cfg = state["ranks"], self.config
         self.steps = int(state.get("steps", 0))
-        workers = ranks[0].get("workers", cfg.workers)
+        workers = next(r for r in ranks if r is not None).get("workers", cfg.workers)
         self._inner, self._seed, self._before_resume = None, cfg.seed, 0
         if len(ranks) == self.world and workers == cfg.workers:
+            if ranks[self.rank] is None or (ranks[self.rank].get("elastic") and ranks[0] is None):
+                raise ValueError(f"{where} lacks rank {self.rank}'s position (saved without torch.distributed)")
             self._state = rank_state(ranks, self.rank)
             self._before_resume = int(state.get("before_resume", 0))
             return
+        if any(r is None for r in ranks):
+            raise ValueError(
+                f"{where} holds one rank's position only (saved without torch.distributed): same layout only"
+            )
         what = f"{len(ranks)} ranks x {workers} workers, now {self.world} x {cfg.workers}"
         if cfg.by_samples:
             self._state = {"resize": ranks, "checkpoint": where}
