@@ -89,7 +89,10 @@ class Loader:
         self._inner: RankLoader | None = None
         self._stream: Iterator[dict] | None = None  # repeat mode: one stream for every iter()
         self._held: deque[tuple[dict, int]] = deque()  # mark_taken: (state before, steps before) per batch
-        self._before_resume = 0  # batches of the epoch under way delivered before an elastic resume
+        self._delivered = False  # a batch has left this loader (load_state_dict is too late then)
+        # Batches of one epoch (the one under way at an elastic resume) delivered before that resume:
+        # tied to the epoch, because a caller that stops after len() batches never ends the iterator.
+        self._before_resume, self._resume_epoch = 0, -1
 
     # ------------------------------------------------------------ iteration
 
@@ -115,10 +118,8 @@ class Loader:
             if batch is None:
                 if inner.epoch_batches is None:
                     self._stream = None  # a stream that ended (its shards failed): the next iter() starts anew
-                elif inner.tracker.batches >= inner.epoch_batches:
-                    self._before_resume = 0  # the resumed epoch is over; the next is whole
                 return
-            self.steps += 1
+            self.steps, self._delivered = self.steps + 1, True
             if before is not None:
                 self._held.append(before)
             yield batch
@@ -135,7 +136,11 @@ class Loader:
         epoch, done = inner.tracker.epoch, inner.tracker.batches
         if done >= inner.epoch_batches:  # the epoch under way is over: the next one's
             return inner.batches_of(epoch + 1) or 0
-        return (inner.batches_of(epoch) or 0) + self._before_resume
+        return (inner.batches_of(epoch) or 0) + self._carried(epoch)
+
+    def _carried(self, epoch: int) -> int:
+        """Batches of ``epoch`` delivered before an elastic resume (0 for every other epoch)."""
+        return self._before_resume if epoch == self._resume_epoch else 0
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -151,7 +156,7 @@ class Loader:
             return inner.tracker.batches
         if inner.tracker.batches >= inner.epoch_batches:
             return 0
-        return inner.tracker.batches + self._before_resume
+        return inner.tracker.batches + self._carried(inner.tracker.epoch)
 
     @property
     def epoch(self) -> int:
@@ -165,7 +170,6 @@ class Loader:
         """Epoch mode: end the epoch under way now (another rank ran out of data after skipping
         bad samples, and ranks must stay in step); the next ``iter()`` starts the next one."""
         self._loader().end_epoch()
-        self._before_resume = 0
 
     # ------------------------------------------------------------ state
 
@@ -179,7 +183,8 @@ class Loader:
             torch.distributed.all_gather_object(ranks, local, group=self.group)
         else:  # no process group: this rank's own (a same-layout resume of this rank only)
             ranks[self.rank] = local
-        return {"format": STATE_FORMAT, "ranks": ranks, "steps": steps, "before_resume": self._before_resume}
+        before_resume = self._carried(int(local["point"]["epoch"]))  # 0 once that epoch is over
+        return {"format": STATE_FORMAT, "ranks": ranks, "steps": steps, "before_resume": before_resume}
 
     def load_state_dict(self, state: dict | list, where: str = "the loader state") -> None:
         """Resume from ``state_dict()``'s result (every rank's), before the first ``iter()``.
@@ -190,7 +195,9 @@ class Loader:
         ``split=shards`` a fresh stream starts (reseeded: it does not replay the first
         batches), with a warning; epoch mode with ``split=shards`` refuses (UserError).
         ``where`` names the checkpoint in messages. A list is taken as every rank's states."""
-        if self._stream is not None or (self._inner is not None and self._inner.tracker.batches):
+        # Only a delivered batch makes it too late: a loader built (by len(), say) or already loaded
+        # is rebuilt at the new position; Lightning loads the state the DataModule loaded before.
+        if self._delivered:
             raise RuntimeError("load_state_dict() must come before the loader's first iter()")
         if isinstance(state, list):
             state = {"ranks": state}
@@ -199,7 +206,8 @@ class Loader:
         ranks, cfg = state["ranks"], self.config
         self.steps = int(state.get("steps", 0))
         workers = next(r for r in ranks if r is not None).get("workers", cfg.workers)
-        self._inner, self._seed, self._before_resume = None, cfg.seed, 0
+        self._inner, self._stream, self._seed, self._before_resume = None, None, cfg.seed, 0
+        self._resume_epoch = int(next(r for r in ranks if r is not None).get("point", {}).get("epoch", -1))
         if len(ranks) == self.world and workers == cfg.workers:
             if ranks[self.rank] is None or (ranks[self.rank].get("elastic") and ranks[0] is None):
                 raise ValueError(f"{where} lacks rank {self.rank}'s position (saved without torch.distributed)")
