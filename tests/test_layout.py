@@ -66,8 +66,14 @@ def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 
 def test_only_errors_stays_at_the_top() -> None:
+    """And the Lightning DataModule (DESIGN.md), which nothing in the package imports: it is
+    imported only where it is used, so the loader never pulls Lightning in."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__.py", "errors.py"]
+    assert top == ["__init__.py", "errors.py", "lightning.py"]
+    users = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "wdsdist.lightning" in imported_modules(p)
+    )
+    assert users == []
 
 
 def test_jpegcrop_builds_into_the_repository_build_dir(monkeypatch: pytest.MonkeyPatch) -> None:
