@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.test_deploy import compose_config
+from tests.helpers.config import compose_config
 from wdsdist.data.options import LoaderConfig, SampleOptions, StreamOptions, parse_nbatches
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.splits import plan

@@ -18,6 +18,7 @@ import yaml
 from torch.distributed.run import get_args_parser
 
 from tests.conftest import ROOT, one_error_line, run_script
+from tests.helpers.config import compose_config
 
 BIN = Path(sys.executable).parent
 
@@ -277,17 +278,6 @@ def test_kubernetes_indexed_job_matches_its_torchrun_and_service():
     assert env[var.group(1)]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.labels['batch.kubernetes.io/controller-uid']"
     )
-
-
-def compose_config(overrides):
-    """The trainer's config composed with these overrides, through its own typed schema."""
-    from hydra import compose, initialize_config_dir
-
-    from wdsdist.train import config
-
-    config.register()
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        return compose("train", overrides=overrides)
 
 
 @pytest.mark.parametrize("path", ["deploy/slurm.sbatch", "deploy/kubernetes.yaml"])

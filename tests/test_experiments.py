@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from tests.conftest import ROOT, run_script
-from tests.test_deploy import compose_config
+from tests.helpers.config import compose_config
 from wdsdist.train import config
 
 

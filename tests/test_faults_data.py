@@ -12,24 +12,10 @@ import zlib
 import pytest
 
 from tests.conftest import jpeg
+from tests.helpers.loading import Quiet, cfg, keys_and_bad
 from wdsdist.data import shardspec
-from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_eval_loader, make_loader
 from wdsdist.errors import DataError, UserError
-
-
-def cfg(**kw):
-    base = dict(batch_size=4, workers=0, mode="epoch", image_size=8, with_keys=True, shuffle_buffer=0)
-    return LoaderConfig(**(base | kw))
-
-
-def keys_and_bad(loader):
-    keys, bad = [], [0, 0]
-    for b in loader:
-        keys += b["key"]
-        bad[0] += int(b["bad"][:, 0].sum())
-        bad[1] += int(b["bad"][:, 1].sum())
-    return keys, bad
 
 
 @pytest.fixture
@@ -69,14 +55,9 @@ def test_missing_shard_warns_or_in_strict_mode_stops(three_shards, capfd):
     assert len(keys) == 12 and bad[1] == 1
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def http_root(three_shards):
-    handler = functools.partial(_Quiet, directory=str(three_shards.parent))
+    handler = functools.partial(Quiet, directory=str(three_shards.parent))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -284,7 +265,7 @@ def test_an_oversized_member_is_a_skipped_sample_and_the_next_ones_follow(tmp_pa
 
 
 def test_a_negative_member_size_skips_the_rest_of_its_shard_only(three_shards, tmp_path):
-    from tests.test_tarread import pax_record, raw_member
+    from tests.helpers.shards import pax_record, raw_member
 
     members = [raw_member(f"e{i}.{ext}", data) for i in range(4) for ext, data in (("jpg", jpeg(i)[0]), ("cls", b"1"))]
     evil = raw_member("././@PaxHeader", pax_record("size", "-1"), tarfile.XHDTYPE) + raw_member("evil.jpg", b"")

@@ -17,8 +17,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script, write_tiny_shards
-from tests.test_train import free_port, load, overrides, torchrun, train
-from tests.test_train import shards as shards  # noqa: F401  (the module's fixture, reused)
+from tests.helpers.training import free_port, load, overrides, torchrun, train
+from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture, reused)
 
 FAST = ("data.val_shards=null", "model.name=squeezenet1_1", "trainer.workers=1")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,14 @@ def test_every_public_name_resolves() -> None:
     assert missing == []
     with pytest.raises(AttributeError):
         wdsdist.data.RankLoader  # noqa: B018 (private: not exported)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: p.name)
+def test_no_test_module_imports_another(path: Path) -> None:
+    """Shared helpers live in tests/helpers/ (and fixtures in conftest.py): a test module read alone
+    is the whole of its subject."""
+    others = sorted(n for n in imported_modules(path) if re.fullmatch(r"tests\.test_\w+", n))
+    assert others == [], f"{path.relative_to(ROOT)} imports test modules {others}: move what it needs to tests/helpers/"
 
 
 def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:

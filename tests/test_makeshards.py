@@ -5,12 +5,12 @@ import os
 import random
 from collections import Counter
 
-import numpy as np
 import pytest
 import webdataset as wds
 from PIL import Image
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script
+from tests.helpers.shards import CLASSES, make_image_folder
 from wdsdist.data import shardspec
 from wdsdist.data.index import read_index
 from wdsdist.errors import UserError
@@ -23,26 +23,6 @@ from wdsdist.tools.shards import (
     image_folder_samples,
     write_shards,
 )
-
-CLASSES = ["n01440764", "n01443537", "n09999999"]
-
-
-def make_image_folder(root, per_class=12):
-    """An ImageNet-like train tree: JPEGs, one PNG (grayscale) and one .JPEG per class."""
-    files = {}
-    for c, name in enumerate(CLASSES):
-        folder = root / name
-        folder.mkdir(parents=True)
-        for i in range(per_class):
-            if i == 0:
-                path = folder / f"{name}_{i}.png"
-                Image.fromarray(np.full((10, 12), 40 * c, dtype=np.uint8), mode="L").save(path)
-            else:
-                ext = "JPEG" if i == 1 else "jpg"
-                path = folder / f"{name}_{i}.v2.{ext}"  # a dot inside the name, as some datasets have
-                path.write_bytes(jpeg(100 * c + i)[0])
-            files[os.path.relpath(path, root)] = (path.read_bytes(), c)
-    return files
 
 
 def read_all(index):

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
-from tests.test_faults_data import cfg, keys_and_bad
-from tests.test_train import free_port, overrides, torchrun
+from tests.helpers.loading import cfg, keys_and_bad
+from tests.helpers.training import free_port, overrides, torchrun
 from wdsdist.data import httpopen, s3open, shardspec
 from wdsdist.data.pipeline import make_eval_loader
 from wdsdist.errors import DataError, UserError

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
-from tests.test_deploy import compose_config
-from tests.test_makeshards import make_image_folder
+from tests.helpers.config import compose_config
+from tests.helpers.shards import make_image_folder
 from wdsdist.errors import UserError
 from wdsdist.train import config
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from tests.test_warmstart import _shards
+from tests.helpers.shards import warm_shards
 from wdsdist.data import lateread, tarread, workers
 from wdsdist.data.lateread import Late, read_late
 from wdsdist.data.options import LoaderConfig
@@ -136,7 +136,7 @@ def test_a_file_shortened_after_its_headers_were_read_fails_the_samples_it_lost(
 
 def _index(folder, counts):
     """Shards of 96 x 128 noise JPEGs (~25 KB: read late), every 9th failing after its draws."""
-    return _shards(folder, counts, every=9, shape=(96, 128))
+    return warm_shards(folder, counts, every=9, shape=(96, 128))
 
 
 @pytest.mark.parametrize("split", ["shards", "samples"])

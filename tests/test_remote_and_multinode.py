@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_script, write_tiny_shards
-from tests.test_train import free_port, overrides
+from tests.helpers.training import free_port, overrides
 from wdsdist.data.index import write_index
 
 TRAIN_COUNTS = [24] * 4

@@ -19,6 +19,7 @@ if ROOT not in sys.path:
 
 import simdist  # noqa: E402  (the top-level script)
 from tests.conftest import run_script  # noqa: E402
+from tests.helpers.simdist import ranks, run_main  # noqa: E402
 from wdsdist.errors import UserError  # noqa: E402
 
 
@@ -30,16 +31,6 @@ def cache(tmp_path_factory) -> str:
 def cli(*args: str, cache: str | None = None) -> subprocess.CompletedProcess:
     extra = ["--cache", cache] if cache else []
     return run_script("simdist.py", *args, *extra)
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    code = simdist.main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def ranks(out: str) -> dict[int, int]:
-    return {int(r): int(n) for r, n in re.findall(r"^rank +(\d+): (\d+) batches", out, re.M)}
 
 
 def test_default_fails_40_30_30(cache):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.test_simdist_cli import run_main  # noqa: E402
+from tests.helpers.simdist import run_main  # noqa: E402
 from wdsdist.errors import UserError  # noqa: E402
 
 SAMPLES = ["--plan", "--split", "samples"]

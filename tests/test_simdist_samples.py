@@ -13,7 +13,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import simdist  # noqa: E402  (the top-level script)
-from tests.test_simdist_cli import ranks, run_main  # noqa: E402
+from tests.helpers.simdist import ranks, run_main  # noqa: E402
 from wdsdist.errors import UserError  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults_data import _Quiet
+from tests.helpers.loading import Quiet
 from wdsdist.data import tarread
 from wdsdist.data.index import offsets_entry
 from wdsdist.data.lateread import Late, read_late
@@ -72,7 +72,7 @@ def spans(n: int, every_stop: bool = True):
             yield start, stop
 
 
-class _Ranged(_Quiet):
+class _Ranged(Quiet):
     """Serves its folder with Range support (206), logging each request's path and Range."""
 
     log: list[tuple[str, str | None]]
@@ -257,7 +257,7 @@ def test_an_http_span_cut_short_by_a_wrong_end_offset_fails_instead_of_losing_sa
     assert log == [("/odd.tar", f"bytes=0-{good[3] - 1}")]
 
 
-class _WrongPart(_Quiet):
+class _WrongPart(Quiet):
     """Answers a Range request with another part than the one asked for."""
 
     def do_GET(self):

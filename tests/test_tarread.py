@@ -9,6 +9,7 @@ import tarfile
 import pytest
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from tests.helpers.shards import pax_record, raw_member
 from wdsdist.data.tarread import Oversized, tar_samples
 
 LONG = "d" * 60 + "/" + "e" * 70  # over ustar's 100-character name field
@@ -147,20 +148,6 @@ def test_a_signed_checksum_is_accepted_as_tarfile_does():
 
 
 # ---------------------------------------------------------------- sizes from untrusted headers
-
-
-def raw_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size, info.type = len(data), kind
-    return info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % 512)
-
-
-def pax_record(key: str, value: str) -> bytes:
-    body = f" {key}={value}\n".encode()
-    n = len(body) + 1
-    while len(str(n)) + len(body) != n:
-        n += 1
-    return str(n).encode() + body
 
 
 def test_a_negative_pax_size_fails_the_shard_instead_of_reading_the_stream_to_its_end():

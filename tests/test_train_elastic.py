@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_tiny_shards
-from tests.test_train import load, torchrun
+from tests.helpers.training import load, torchrun
 from wdsdist.data.splits import rank_batches
 from wdsdist.data.stream import shard_order
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from tests.conftest import one_error_line, run_script, write_tiny_shards
-from tests.test_faults_data import _Quiet, cfg, keys_and_bad
-from tests.test_simdist_cli import simdist as simdist_script
-from tests.test_train import overrides
+from tests.helpers.loading import Quiet, cfg, keys_and_bad
+from tests.helpers.simdist import simdist as simdist_script
+from tests.helpers.training import overrides
 from wdsdist.data import shardspec
 from wdsdist.data.pipeline import make_eval_loader
 from wdsdist.errors import DataError, UserError
@@ -24,7 +24,7 @@ DRIP_INTERVAL = 0.02  # seconds between the bytes a dripping server sends
 DRIP_TIMEOUT = 0.5  # http_timeout in the drip tests: each byte comes well within it
 
 
-class _Hostile(_Quiet):
+class _Hostile(Quiet):
     """Serves its folder, plus a few misbehaving paths."""
 
     def do_GET(self):

@@ -1,50 +1,19 @@
 """loader.warm_start: worker 0 makes its first batch on several threads while the other workers
 wait, and the batches stay the same, image for image (warmstart.py)."""
 
-import io
 import threading
 
-import numpy as np
 import pytest
 import torch
-import webdataset as wds
-from PIL import Image
 
+from tests.helpers.shards import warm_shards
 from wdsdist.data import jpegcrop
-from wdsdist.data.index import index_path, write_index
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.warmstart import WarmStart
 from wdsdist.errors import DataError
 
 needs_lib = pytest.mark.skipif(isinstance(jpegcrop.load(), str), reason="jpegcrop cannot be built here")
-
-
-def _jpeg(seed: int, garbled: bool, shape: tuple[int, int] = (72, 96)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, (*shape, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-    data = out.getvalue()
-    if garbled:  # a header that reads, then a scan neither libjpeg nor torchvision decodes
-        sos = data.index(b"\xff\xda")
-        data = data[: sos + 20] + b"\xff\xc5" * 200 + b"\xff\xd9"
-    return data
-
-
-def _shards(folder, counts, every=4, shape=(72, 96)):
-    """Shards whose every ``every``-th JPEG fails only when its pixels are made (after its draws)."""
-    folder.mkdir()
-    shards, n = [], 0
-    for i, count in enumerate(counts):
-        path = folder / f"w-{i:06d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for _ in range(count):
-                sink.write({"__key__": f"s{n:06d}", "jpg": _jpeg(n, n % every == 1, shape), "cls": str(n % 10)})
-                n += 1
-        shards.append((str(path), count))
-    index = index_path(str(folder), "w")
-    write_index(index, shards, name="w")
-    return index
 
 
 def _batches(index, n, **kw):
@@ -61,7 +30,7 @@ def _batches(index, n, **kw):
 
 @needs_lib
 def test_a_warm_start_gives_the_same_batches_image_for_image(tmp_path):
-    index = _shards(tmp_path / "s", [40, 40])
+    index = warm_shards(tmp_path / "s", [40, 40])
     warm = _batches(index, 10, warm_start=True)
     cold = _batches(index, 10, warm_start=False)
     # Worker 0's first batch (made on threads) passed over samples that failed after their draws.

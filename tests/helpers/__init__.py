@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules (no test module imports another)."""
