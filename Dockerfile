@@ -1,5 +1,6 @@
-# A GPU workstation image: Python 3.11 plus requirements.txt. PyPI's torch wheels bundle CUDA,
-# so the host needs only the NVIDIA driver and the container toolkit (docker run --gpus all).
+# A GPU workstation image: Python 3.11 plus requirements.txt, the runtime set (the test and lint
+# tools of requirements-dev.txt stay out of it). PyPI's torch wheels bundle CUDA, so the host
+# needs only the NVIDIA driver and the container toolkit (docker run --gpus all).
 # Build: ./run build     Run: ./run docker train.py ...   (the same entry points as ./run)
 # Check: ./run check-image (builds it, trains in it, checks what lands in outputs/)
 # BASE_IMAGE: any Debian bookworm image whose python3 is 3.11 with pip (deploy/check-image.sh
@@ -14,7 +15,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore \
-    WDSDIST_SYSTEM_PYTHON=1
+    WDSDIST_SYSTEM_PYTHON=1 \
+    WDSDIST_BUILD=/app/.build
 
 # curl: for pipe:curl shard URLs. libjpeg62-turbo: the library jpegcrop is linked against (its
 # compiler and headers stay in the jpegcrop stage). Versions follow the base image's Debian release.
@@ -30,7 +32,8 @@ COPY requirements.txt ./
 RUN python3 -m pip install -r requirements.txt
 
 # ---- jpegcrop: wdsdist/data/jpegcrop.c compiled by the code's own loader (the same file name
-# and flags it would use at run time), so the final image needs no compiler.
+# and flags it would use at run time), so the final image needs no compiler. Into WDSDIST_BUILD:
+# wdsdist alone, with no checkout around it, would build into the user's cache folder.
 FROM runtime AS jpegcrop
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -1,7 +1,7 @@
 """./run's environments: built beside the one in use and swapped in under a lock, never deleted
 under a running process. The real script runs in a copy of the repository in a temporary folder
-(never this checkout's .venv), with a requirements.txt that names no package: its environments
-are made with ``venv --without-pip``, offline, in well under a second."""
+(never this checkout's .venv), with a requirements.txt and a requirements-dev.txt that name no
+package: its environments are made with ``venv --without-pip``, offline, in well under a second."""
 
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ from tests.conftest import ROOT
 SHOW = "import sys\nprint(sys.prefix, flush=True)\n"
 # Holds its environment until told to go on, then checks its files are still all there.
 HOLD = SHOW + "sys.stdin.readline()\nimport os\nprint(os.path.isfile(os.path.join(sys.prefix, 'pyvenv.cfg')))\n"
+# ./run's environment is made from both files; requirements-dev.txt includes requirements.txt.
+REQUIREMENTS = ("requirements.txt", "requirements-dev.txt")
 
 pytestmark = pytest.mark.skipif(shutil.which("flock") is None, reason="./run needs util-linux's flock to lock")
 
 
 @pytest.fixture
 def repo(tmp_path):
-    """A copy of ./run with an empty requirements.txt, and a python3.11 on PATH that, when it
-    makes a venv, says so on stderr and waits for a line on stdin if WAIT_FOR_GO is set."""
+    """A copy of ./run with requirements files that name nothing, and a python3.11 on PATH that,
+    when it makes a venv, says so on stderr and waits for a line on stdin if WAIT_FOR_GO is set.
+    With FAKE_PIP_LOG set it makes the venv without pip and puts in a bin/python that logs its
+    ``-m pip`` calls to that file instead of installing (and runs anything else)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copy2(ROOT / "run", repo / "run")
     (repo / "requirements.txt").write_text("# nothing\n")
+    (repo / "requirements-dev.txt").write_text("-r requirements.txt\n# nothing more\n")
     (repo / "show.py").write_text(SHOW)
     (repo / "hold.py").write_text(HOLD)
     bin_dir = tmp_path / "bin"
@@ -42,6 +47,17 @@ def repo(tmp_path):
         'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
         '  echo "venv build started" >&2\n'
         '  if [ -n "$WAIT_FOR_GO" ]; then read go; fi\n'
+        '  if [ -n "$FAKE_PIP_LOG" ]; then\n'
+        "    for env_dir; do :; done\n"  # the last argument
+        f'    {base} -m venv --without-pip "$env_dir" || exit 1\n'
+        '    rm -f "$env_dir/bin/python"\n'  # a link to the base python: not to be written through
+        "    cat > \"$env_dir/bin/python\" <<'EOF'\n"
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >> "$FAKE_PIP_LOG"; exit 0; fi\n'
+        'exec "$(dirname "$0")/python3" "$@"\n'
+        "EOF\n"
+        '    chmod +x "$env_dir/bin/python"; exit 0\n'
+        "  fi\n"
         "fi\n"
         f'exec {base} "$@"\n'
     )
@@ -55,8 +71,9 @@ def env(repo: Path, **extra: str) -> dict:
     return dict(clean, PATH=path, **extra)
 
 
-def run(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["./run", *args], cwd=repo, env=env(repo), capture_output=True, text=True, timeout=120)
+def run(repo: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    env_vars = env(repo, **extra)
+    return subprocess.run(["./run", *args], cwd=repo, env=env_vars, capture_output=True, text=True, timeout=120)
 
 
 def start(repo: Path, *args: str, **extra: str) -> subprocess.Popen:
@@ -71,8 +88,13 @@ def start(repo: Path, *args: str, **extra: str) -> subprocess.Popen:
     )
 
 
+def marker(repo: Path) -> str:
+    """What ./run writes last into a complete environment: sha256sum's lines for both files."""
+    return "".join(f"{hashlib.sha256((repo / name).read_bytes()).hexdigest()}  {name}\n" for name in REQUIREMENTS)
+
+
 def env_dir(repo: Path) -> Path:
-    return repo / f".venv-{hashlib.sha256((repo / 'requirements.txt').read_bytes()).hexdigest()[:12]}"
+    return repo / f".venv-{hashlib.sha256(marker(repo).encode()).hexdigest()[:12]}"
 
 
 def read_until(stream, text: str) -> list[str]:
@@ -138,8 +160,9 @@ def test_a_running_process_keeps_its_environment_until_it_ends(repo, how):
 def test_an_older_checkouts_real_venv_is_used_while_it_fits_then_replaced_once_unused(repo):
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True)
-    marker = subprocess.run(["sha256sum", "requirements.txt"], cwd=repo, capture_output=True, text=True, check=True)
-    (repo / ".venv" / ".requirements.sha256").write_text(marker.stdout)
+    sums = subprocess.run(["sha256sum", *REQUIREMENTS], cwd=repo, capture_output=True, text=True, check=True)
+    assert sums.stdout == marker(repo)
+    (repo / ".venv" / ".requirements.sha256").write_text(sums.stdout)
     proc = run(repo, "show.py")
     assert proc.returncode == 0 and proc.stdout.strip() == str(repo / ".venv") and "making" not in proc.stderr
     holder = start(repo, "hold.py")
@@ -171,3 +194,48 @@ def test_a_checkout_reached_through_a_link_keeps_the_environment_it_runs(repo):
         )
         assert proc.returncode == 0 and proc.stdout.strip() == str(env_dir(repo)), proc.stderr
         assert "removed" not in proc.stderr
+
+
+@pytest.mark.parametrize("changed", REQUIREMENTS)
+def test_a_change_to_either_requirements_file_makes_a_new_environment(repo, changed):
+    assert run(repo, "show.py").returncode == 0
+    old = env_dir(repo)
+    assert (old / ".requirements.sha256").read_text() == marker(repo)
+    with open(repo / changed, "a") as f:
+        f.write("# changed\n")
+    new = env_dir(repo)
+    assert new != old
+    proc = run(repo, "show.py")
+    assert proc.returncode == 0 and proc.stdout.strip() == str(new), proc.stderr
+    assert f"making {new.name}" in proc.stderr and f"removed {old.name}, no longer used" in proc.stderr
+    assert (new / ".requirements.sha256").read_text() == marker(repo)
+
+
+def test_a_marker_for_requirements_txt_alone_does_not_fit(repo):
+    # An environment made before requirements-dev.txt existed has no test tools: it is replaced.
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True)
+    sums = subprocess.run(["sha256sum", "requirements.txt"], cwd=repo, capture_output=True, text=True, check=True)
+    (repo / ".venv" / ".requirements.sha256").write_text(sums.stdout)
+    proc = run(repo, "show.py")
+    assert proc.returncode == 0 and proc.stdout.strip() == str(env_dir(repo)), proc.stderr
+    assert f"making {env_dir(repo).name}" in proc.stderr
+    assert os.readlink(repo / ".venv") == env_dir(repo).name
+
+
+def test_the_environment_is_installed_from_requirements_dev_txt(repo, tmp_path):
+    # A package named in either file means pip runs, once, on requirements-dev.txt (which
+    # includes requirements.txt); the fake python logs the calls instead of installing.
+    (repo / "requirements.txt").write_text("somepackage==1.0\n")
+    log = tmp_path / "pip.log"
+    proc = run(repo, "show.py", FAKE_PIP_LOG=str(log))
+    assert proc.returncode == 0 and proc.stdout.strip() == str(env_dir(repo)), proc.stderr
+    installs = [line.split() for line in log.read_text().splitlines() if "--upgrade" not in line]
+    assert len(installs) == 1 and installs[0][-2:] == ["-r", "requirements-dev.txt"], log.read_text()
+
+
+def test_a_missing_requirements_dev_txt_is_named(repo):
+    (repo / "requirements-dev.txt").unlink()
+    proc = run(repo, "show.py")
+    assert proc.returncode == 2 and "no requirements-dev.txt" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not list(repo.glob(".venv-*"))

@@ -49,7 +49,15 @@ _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get("WDSDIST_BUILD", Path(__file__).resolve().parents[2] / ".build"))
+    """``WDSDIST_BUILD``; else the checkout's ``.build/``; else, for an installed package (no
+    checkout around it: site-packages' parent is no place to write), the user's cache folder."""
+    if os.environ.get("WDSDIST_BUILD"):
+        return Path(os.environ["WDSDIST_BUILD"])
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() or (root / ".git").exists():
+        return root / ".build"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "wdsdist"
 
 
 def load(where: Path | None = None, cc: str | None = None) -> ctypes.CDLL | str:
