@@ -46,6 +46,8 @@ def test_dockerfile_installs_the_requirements_and_runs_existing_entry_points():
     runs = " ; ".join(args for op, args in ins if op == "RUN")
     assert "requirements.txt ./" in copies[0]  # dependencies in their own layer, from the same file
     assert "pip install -r requirements.txt" in runs
+    # The runtime set only: the test and lint tools (requirements-dev.txt) stay out of the image.
+    assert all("requirements-dev" not in args for _, args in ins)
     entry = yaml.safe_load(next(args for op, args in ins if op == "ENTRYPOINT"))
     cmd = yaml.safe_load(next(args for op, args in ins if op == "CMD"))
     assert entry == ["./run"] and os.access(ROOT / "run", os.X_OK)
@@ -117,7 +119,12 @@ def test_dockerfile_builds_on_any_base_and_leaves_the_compiler_behind():
     last = max(i for i, (op, _) in enumerate(ins) if op == "FROM")
     final = " ; ".join(args for op, args in ins[last:] if op == "RUN")
     assert "gcc" not in final and "-dev" not in final
-    assert any(op == "COPY" and args.startswith("--from=jpegcrop") and ".build" in args for op, args in ins[last:])
+    copied = [args for op, args in ins[last:] if op == "COPY" and args.startswith("--from=jpegcrop")]
+    assert copied and copied[0].split()[1] == "/app/.build"
+    # The jpegcrop stage has wdsdist/ alone (no checkout around it): told where to build, it builds
+    # where the final stage copies from, and the final image looks there.
+    env = " ".join(args for op, args in ins if op == "ENV")
+    assert "WDSDIST_BUILD=/app/.build" in env.split()
     # python3 -m pip: the stand-in base has no command named pip
     assert "python3 -m pip install" in " ; ".join(args for op, args in ins if op == "RUN")
 

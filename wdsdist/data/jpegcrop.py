@@ -50,7 +50,7 @@ _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 def build_dir() -> Path:
     """``WDSDIST_BUILD``; else the checkout's ``.build/``; else, for an installed package (no
-    checkout around it: site-packages' parent is no place to write), the user's cache folder."""
+    checkout around it: site-packages is no place to build in), the user's cache folder."""
     if os.environ.get("WDSDIST_BUILD"):
         return Path(os.environ["WDSDIST_BUILD"])
     root = Path(__file__).resolve().parents[2]

