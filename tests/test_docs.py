@@ -1,0 +1,93 @@
+"""The manual builds without a broken link or a missing API reference, and the README's links lead
+somewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import unicodedata
+
+import pytest
+
+from tests.conftest import ROOT
+
+# [text](target) outside code: the target up to a closing parenthesis or a space (a title).
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+CODE = re.compile(r"`[^`\n]*`")
+
+
+def needs_mkdocs() -> None:
+    missing = [m for m in ("mkdocs", "material", "mkdocstrings_handlers.python") if not _importable(m)]
+    if missing:
+        pytest.skip(f"mkdocs, mkdocs-material and mkdocstrings[python] are not all in the venv (no {missing[0]})")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_the_manual_builds_strictly(tmp_path):
+    """mkdocs.yml says strict, with anchors validated: a link to a missing page or heading, a page
+    left out of the nav, or a ``:::`` reference that does not resolve fails the build."""
+    needs_mkdocs()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    api = (tmp_path / "api" / "index.html").read_text()
+    for name in ("loader.Loader", "loader.EvalLoader", "options.LoaderConfig", "pipeline.resolve_shards"):
+        assert f'id="wdsdist.data.{name}"' in api, name  # the reference is rendered, not just a heading
+
+
+def slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc (mkdocs) and GitHub give a heading, for the headings we use."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", CODE.sub(lambda m: m.group(0)[1:-1], text)).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(markdown: str) -> set[str]:
+    prose = FENCE.sub("", markdown)
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*$", prose, re.MULTILINE)}
+
+
+def relative_links(markdown: str) -> list[str]:
+    prose = CODE.sub("", FENCE.sub("", markdown))
+    return [t for t in LINK.findall(prose) if not re.match(r"^[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_in_the_readme_names_a_file_that_exists():
+    readme = (ROOT / "README.md").read_text()
+    links = relative_links(readme)
+    assert links, "the README links into docs/"
+    broken = []
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = (ROOT / path).resolve()
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text()):
+            broken.append(f"{link}: no heading with that anchor in {path}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_checker_sees_links_and_anchors():
+    text = "See [a](docs/a.md#b-c) and [site](https://x.org), `[not](code.md)`.\n```\n[no](fence.md)\n```\n"
+    assert relative_links(text) == ["docs/a.md#b-c"]
+    assert anchors("# Title\n## Many nodes: torchrun, Slurm, Kubernetes\n## Object storage (S3, GCS, MinIO)\n") == {
+        "title",
+        "many-nodes-torchrun-slurm-kubernetes",
+        "object-storage-s3-gcs-minio",
+    }
