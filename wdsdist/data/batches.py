@@ -35,10 +35,10 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
 
 def opened(gate: Any | None) -> None:
     """Open the warm start's gate (warmstart.py): the rank's first batch is in the main process
-    now, and the other workers may start decoding. Opened any sooner (as the leader handed the
-    batch to its queue), they took both cores while the main process was still taking the batch
-    over (unpickling, copying 9.6 MB): 9-14 ms from the leader's last stack to the first batch,
-    against 5 ms now. Called for every batch: setting it again costs microseconds."""
+    now, and the other workers may start decoding. Opened any sooner (as the leader hands the
+    batch to its queue), they take the cores while the main process is still taking the batch
+    over (unpickling, copying it), which delays the first batch (bench/results/2026-11-24-peers.md).
+    Called for every batch: setting it again costs next to nothing."""
     if gate is not None:
         gate.set()
 

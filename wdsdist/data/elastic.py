@@ -96,7 +96,7 @@ def _layout(world: int, workers: int) -> str:
     return f"{world} rank{'s' if world != 1 else ''} x {workers} worker{'s' if workers != 1 else ''}"
 
 
-# Above the size guide on purpose: the refusals, the per-epoch re-split and the summary read as
+# One long function: the refusals, the per-epoch re-split and the summary read as
 # one sequence of checks and steps; split apart, each piece would need most of the others' names.
 def resize_state(
     saved: Sequence[dict], rank: int, world: int, cfg: LoaderConfig, counts: Sequence[int], where: str

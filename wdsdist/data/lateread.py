@@ -1,17 +1,16 @@
-"""Late reads (``late``, loader.read_late). A worker's shuffle buffer holds its 1,000 samples long
-before they are decoded: at ImageNet sizes, 90-110 MB of JPEG bytes per worker, most of its
-heap. From a local, uncompressed shard, a wanted member of ``LATE_MIN`` bytes or more is not
-read with its header: the sample carries a ``Late`` (where the bytes lie), and ``read_late``
-reads them with one ``pread`` as the sample leaves the buffer, just before its decode, which
-then finds them in the CPU's cache. Measured on the bench (2 workers, 87 KB JPEGs): the loader's
-PSS went from 854-862 MB to 784-787 MB (each worker's heap from 110 MB to 60 MB), samples/s up
-3 %, the first batch from 0.15-0.16 s to 0.12-0.13 s. The file stays open (a descriptor of its
+"""Late reads (``late``, loader.read_late). A worker's shuffle buffer holds its 1,000 samples
+long before they are decoded: at ImageNet sizes, about a hundred megabytes of JPEG bytes per
+worker, most of its heap. From a local, uncompressed shard, a wanted member of ``LATE_MIN``
+bytes or more is not read with its header: the sample carries a ``Late`` (where the bytes lie),
+and ``read_late`` reads them with one ``pread`` as the sample leaves the buffer, just before its
+decode, which then finds them in the CPU's cache. This takes memory off every worker and costs
+no speed (see bench/results/2026-11-24-late-reads.md). The file stays open (a descriptor of its
 own) while any of its Late members lives, at most ``LATE_FILES`` files a process; beyond that,
 members are read at once. Passing over the data defeats the kernel's readahead, so the reader
-asks for the bytes ahead itself (``posix_fadvise``). A member cut short fails the shard as
-before (its end is checked against the file's size), and so does a file cut while its headers
-are read (seeking past a file's end never fails, so where the headers end early the size is
-checked again); a file that shrinks later fails the samples it no longer holds, each a bad
+asks for the bytes ahead itself (``posix_fadvise``). A member cut short fails the shard, as when
+read at once (its end is checked against the file's size), and so does a file cut while its
+headers are read (seeking past a file's end never fails, so where the headers end early the size
+is checked again); a file that shrinks later fails the samples it no longer holds, each a bad
 sample of its own.
 
 tarread._members makes the Late members (and asks the kernel ahead); this module holds what they

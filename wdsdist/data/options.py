@@ -38,7 +38,7 @@ class Remainder(StrEnum):
 
 def default_split(mode: str, dsrepeat: int = 1) -> Split:
     """loader.split when not given: samples in epoch mode (every sample once, equal batches), except
-    with dsrepeat, the shard split's own remedy; shards in repeat mode (see README: equal batches)
+    with dsrepeat, the shard split's own remedy; shards in repeat mode (see docs/equal-batches.md)
     and resampled mode (shards drawn at random)."""
     return Split.samples if mode == LoaderMode.epoch and dsrepeat == 1 else Split.shards
 

@@ -19,22 +19,24 @@ What comes from WebDataset: ``wds.WebLoader`` (a DataLoader with ``compose``, ``
 ``repeat`` stages) is the rank's loader; ``wds.filters.shuffle`` and ``wds.filters.batched``
 shuffle and batch inside the workers; ``wds.gopen`` opens ``pipe:``, object-store and ``file:``
 URLs; ``base_plus_ext`` groups tar members into samples, so WebDataset's shards read unchanged;
-``wds.TarWriter`` writes shards (tools/shards.py). What is done here instead, and why (measured
-on ImageNet-like JPEGs, 2 cores; README: Performance):
+``wds.TarWriter`` writes shards (tools/shards.py). What is done here instead, and why (each measured
+against what it replaced in bench/results/2026-11-21-loader.md):
   - splitting shards by rank and worker: pure functions (splits.py) that the startup check and
     simdist share, so a layout that would hang DDP is refused before it starts, with numbers;
-  - tar reading (``tarfile`` in WebDataset): tarread.py parses the headers itself, 36,400
-    against 6,200 samples/s, skipping unused members unread and refusing oversized ones (a
-    306 KB .tar.gz holding a 300 MB member cost 618 MB through tarfile);
+  - tar reading (``tarfile`` in WebDataset): tarread.py parses the headers itself, several times
+    faster, skipping unused members unread and refusing oversized ones (tarfile reads a member
+    whole, so a small .tar.gz can hold one that takes gigabytes);
   - http(s) (``gopen`` runs curl in a shell): urllib (httpopen.py), so a URL cannot inject a
     command and a stalled or dripping server fails in bounded time;
   - ``decode("pil")``: torchvision's libjpeg-turbo into uint8, and only the crop's region of a
-    JPEG (jpegcrop.py: 1.13-1.2x a whole decode per core; the loader 1.25-1.33x itself);
-  - a new shared-memory tensor per batch: buffers each worker reuses (sharedbatches.py, 0.33
-    against 8.0 ms per batch of 64 x 3 x 224 x 224);
-  - a worker stopping at each epoch's end: epochless workers (6 % of the loader's time on
-    shards of 250 samples).
-Together: 3.2x the samples/s of the WebDataset README's pipeline ((a) against (b)).
+    JPEG (jpegcrop.py), faster than a whole decode and the same pixels;
+  - a new shared-memory tensor per batch: buffers each worker reuses (sharedbatches.py), so the
+    kernel does not zero and fault in a batch's pages every time;
+  - a worker stopping at each epoch's end: epochless workers, which do not idle while the
+    DataLoader restarts them.
+Together they make the loader several times as fast as the WebDataset README's pipeline ((a)
+against (b) in that report; the later comparison with other loaders:
+bench/results/2026-11-24-peers.md).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class RankLoader:
     same); in repeat and resampled mode ``iter()`` never ends and the trainer counts steps.
     """
 
-    # Above the size guide on purpose: the loader's stages in the order a batch passes them (the
+    # One long method: the loader's stages in the order a batch passes them (the
     # diagram in this module's docstring), each a line or two; the elastic state is read first.
     def __init__(
         self,
@@ -242,7 +244,8 @@ class RankLoader:
 def as_is(batch: dict) -> dict:
     """The DataLoader's collate_fn: a batch leaves the worker as collate made it. Without it
     (batch_size=None) the DataLoader runs default_convert on every batch, which walks each of its
-    lists item by item, 0.5-0.7 % of a worker's time, to change nothing but tuples into lists."""
+    lists item by item, to change nothing but tuples into lists (its cost:
+    bench/results/2026-11-23-batch-handover.md)."""
     return batch
 
 

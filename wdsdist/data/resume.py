@@ -1,4 +1,4 @@
-# Above the size guide on purpose: the tracker that writes the loader state and the elastic functions
+# A long module: the tracker that writes the loader state and the elastic functions
 # that read it (resize_state in elastic.py applies them) share one format, documented once, here.
 """A rank loader's exact position: which samples of which epochs each of its workers delivered.
 

@@ -1,14 +1,13 @@
 """Shared-memory batch buffers that DataLoader workers fill and reuse, batch after batch.
 
-A worker that returns a new tensor pays for a new shared-memory file per batch: create it,
-have the kernel zero it (torch fallocates shared memory) and fault in every page, then the main
-process maps it again and faults once more. Measured for one batch of 64 x 3 x 224 x 224 uint8:
-8.0 ms stacked into a new shared-memory tensor against 0.33 ms into a reused one, about 8 % of
-a worker's time at ImageNet sizes. So each worker owns a few buffers, allocated once before the
-workers start; a batch leaves the worker as a buffer number plus its labels, and the main
-process copies the images out (about 1 ms, into pinned memory when the batches go to a GPU, or
-else into memory it takes back when the caller drops the batch: CopyPool) and hands the buffer
-back at once. The batch the caller gets is its own tensor, as before.
+A worker that returns a new tensor pays for a new shared-memory file per batch: create it, have
+the kernel zero it (torch fallocates shared memory) and fault in every page, then the main
+process maps it again and faults once more: a new tensor per batch cost a worker many times what
+stacking into a reused one does (bench/results/2026-11-21-loader.md). So each worker owns a few
+buffers, allocated once before the workers start; a batch leaves the worker as a buffer number
+plus its labels, and the main process copies the images out (one memcpy, into pinned memory when
+the batches go to a GPU, or else into memory it takes back when the caller drops the batch:
+CopyPool) and hands the buffer back at once. The batch the caller gets is its own tensor.
 
 Handing back goes through one pipe per worker (main process -> worker), written
 synchronously. A worker restarting its iteration (each epoch, each DataLoader reset) takes every
@@ -18,7 +17,7 @@ While every worker is active, a worker has at most ``prefetch`` batches assigned
 taken, plus the one being copied, so ``prefetch + 1`` buffers cover it. When other workers have
 ended their epoch the DataLoader gives their share to the ones left (up to ``prefetch + workers
 - 1`` each); a worker that finds no free buffer then stacks that batch into new shared memory
-as before, and never waits.
+of its own, and never waits.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ class SharedBatches:
         """``shape``: one batch, (N, C, H, W). With ``channels_last`` the buffers hold each image
         as H x W x C in memory (the batches are NCHW tensors in torch's channels_last format), as
         region-decoded images are: stacking them into an NCHW-contiguous buffer transposes every
-        image (measured: 6.3 ms against 0.43 ms per batch of 64 at 224 pixels)."""
+        image, many times slower (bench/results/2026-11-21-loader.md)."""
         self.shape, self.nbuffers = tuple(shape), buffers
         n, c, h, w = shape
         layout = (buffers, n, h, w, c) if channels_last else (buffers, *shape)
@@ -89,11 +88,11 @@ class SharedBatches:
     def populate(self, worker: int) -> bool:
         """Have the kernel allocate and map the pages of the worker's first buffer now, in one
         call that holds no lock of Python's (the warm start's leader makes it on one of its
-        threads while the others decode). Stacking the first batch into untouched pages faulted
-        them in one by one: 9-10 ms after the last decode, before the batch could leave; in one
-        call, 6.5 ms beside the decodes (huge pages are not given to shared memory here).
-        False where the kernel cannot (MADV_POPULATE_WRITE is Linux 5.14's): the stack faults
-        them in as before."""
+        threads while the others decode). Stacking the first batch into untouched pages faults
+        them in one by one after the last decode, before the batch can leave; in one call they
+        are mapped beside the decodes (bench/results/2026-11-24-peers.md; the kernel gives shared
+        memory no huge pages). False where the kernel cannot (MADV_POPULATE_WRITE is Linux
+        5.14's): the stack then faults them in."""
         first = self.buffers[worker][0]
         return _populate(first.data_ptr(), first.numel())
 
@@ -146,8 +145,8 @@ def shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
 
     When workers are forked (Linux's default start method before Python 3.14), an anonymous
     shared mapping: made at once, and each page is only allocated when first written. torch's
-    shared memory (``share_memory_``) allocates and zeroes every page up front: 83 ms for a
-    worker's three 9.6 MB buffers here, paid before the first batch, and every buffer counted
+    shared memory (``share_memory_``) allocates and zeroes every page up front, paid before the
+    first batch (bench/results/2026-11-23-batch-handover.md), and every buffer counted
     in the loader's memory even when the caller keeps up and a worker only ever uses one.
     Other start methods pickle the dataset to the workers, which only torch's shared memory
     survives."""
@@ -162,11 +161,11 @@ class CopyPool:
     once the caller has let go of a batch.
 
     A batch of 64 x 224 x 224 images is 9.6 MB. From malloc, such copies either fault in fresh
-    pages every time or pile up in the heap, which then holds freed batches: 67 to 168 MB of
-    the main process's heap over four runs of the same 50 batches here, and 4.0-5.2 ms a copy.
+    pages every time or pile up in the heap, which then holds freed batches
+    (bench/results/2026-11-23-batch-handover.md).
     Here each copy is a region of its own (an anonymous mapping); when the caller drops the last
     tensor that uses it (a view included: it keeps the storage), the region comes back and the
-    next copy of that size goes into its pages, already mapped: 1.1-1.3 ms a copy. The ``keep``
+    next copy of that size goes into its pages, already mapped, several times faster. The ``keep``
     regions that came back last wait, whatever their sizes (an epoch's last, short batch has a
     size of its own); an older one is unmapped. A region in use is never handed out, so a batch
     the caller keeps is never overwritten. Regions come back on whichever thread drops a batch.
@@ -214,8 +213,8 @@ class CopyPool:
     def reserve(self, nbytes: int) -> None:
         """A region for the next copy of ``nbytes``, its pages faulted in now. The main process
         calls it while its workers make their first batches, when it has nothing else to do: in
-        the first copy, faulting in a fresh region (huge pages, compacted on demand) took 5-18 ms
-        of the time to the first batch."""
+        the first copy, faulting in a fresh region (huge pages, compacted on demand) would add to
+        the time to the first batch (bench/results/2026-11-23-batch-handover.md)."""
         if any(size == nbytes for size, _ in self._free):
             return
         region = _new_region(nbytes)
@@ -253,7 +252,7 @@ def _dense(tensor: torch.Tensor) -> bool:
 def plain_copy(source: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
     """A copy of a tensor, in the same memory layout, by one memcpy on this thread. Tensor.copy_
     would split it over OpenMP threads that then spin on the cores the workers decode on
-    (measured: the main process at 15 % CPU instead of 3 %)."""
+    (bench/results/2026-11-21-loader.md: the main process's CPU several times higher)."""
     if not _dense(source):
         source = source.contiguous()
     copy = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin_memory)
@@ -263,8 +262,9 @@ def plain_copy(source: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
 
 def plain_stack(tensors: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
     """torch.stack of tensors of one shape, in the first one's memory layout, one memcpy each on
-    this thread (torch.stack parallelises each of them: measured 80 % of the main process's time
-    in the cross-worker shuffle). A tensor in another layout is copied element-wise."""
+    this thread (torch.stack parallelises each of them, which took most of the main process's time
+    in the cross-worker shuffle: bench/results/2026-11-21-loader.md). A tensor in another layout is
+    copied element-wise."""
     first = tensors[0] if _dense(tensors[0]) else tensors[0].contiguous()
     n = first.numel()
     out = torch.empty_strided(

@@ -289,8 +289,7 @@ class ShardStream(IterableDataset):
         """In epoch mode (and with the cross-worker shuffle), one epoch; in repeat and resampled
         mode, epoch after epoch without end. A worker that stopped at each epoch's end would
         decode the samples of its last, partial batch only to drop them and then sit idle while
-        the DataLoader restarts it (measured: 6 % of the loader's time on ImageNet-sized shards
-        of 250 samples)."""
+        the DataLoader restarts it (bench/results/2026-11-21-loader.md)."""
         pin_malloc_threshold()
         info = get_worker_info()
         worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
@@ -344,7 +343,7 @@ class ShardStream(IterableDataset):
         finally:
             warm.done()  # a leader whose stream ended or failed first holds nobody
 
-    # Above the size guide on purpose: the per-sample loop of the hot path, with what it passes over
+    # One long method: the per-sample loop of the hot path, with what it passes over
     # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _epochs(
         self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart

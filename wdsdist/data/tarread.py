@@ -1,13 +1,13 @@
 """Opening a shard, and samples from its tar stream, read with as little Python per member as we can.
 
-Python's ``tarfile`` in stream mode costs about 0.17 ms per ImageNet sample (three members,
-each parsed into a TarInfo and copied through its stream buffer): 9 % of a DataLoader
-worker's time, measured with py-spy. Shards are plain ustar/GNU/PAX tar files, so this module
-parses the 512-byte headers itself, reads each wanted member with one ``read`` and skips the
-rest. Sample grouping follows WebDataset (``base_plus_ext``, lower-case suffixes, ``__*__``
+Python's ``tarfile`` in stream mode parses each member into a TarInfo and copies it through its
+stream buffer (three members per ImageNet sample): a noticeable share of a DataLoader worker's
+time (bench/results/2026-11-21-loader.md). Shards are plain ustar/GNU/PAX tar files, so this
+module parses the 512-byte headers itself, reads each wanted member with one ``read`` and skips
+the rest. Sample grouping follows WebDataset (``base_plus_ext``, lower-case suffixes, ``__*__``
 meta members skipped, one sample per key run). A gzip, bzip2 or xz stream is decompressed as it
 is read and parsed the same way, so its members obey the same limits (tarfile, as WebDataset
-uses it, reads every member whole: a 306 KB .tar.gz holding a 300 MB member cost 618 MB).
+uses it, reads every member whole, so a small .tar.gz can hold a member that takes gigabytes).
 Anything else fails with the error tarfile would give.
 
 The data is untrusted: a member larger than ``max_member`` is skipped without being read (its
@@ -161,8 +161,8 @@ def _skip(stream, n: int, seek_above: int = 1 << 16) -> None:
         n -= got
 
 
-# Above the size guide on purpose: one loop over headers, not split into helpers: it runs once per tar
-# member on the loader's hot path, and a function call per header was measurable there (module docstring).
+# One long loop over headers, not split into helpers: it runs once per tar member on the loader's
+# hot path, where a function call per header shows in a profile.
 def _members(
     stream,
     head: bytes,

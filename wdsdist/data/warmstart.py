@@ -1,7 +1,7 @@
 """A rank's first batch, made on all of its workers' cores (``loader.warm_start``).
 
 Every worker makes whole batches alone, one image after another, so the first batch takes one
-core as long as 64 decodes (115-165 ms on the photos bench), while the other workers spend the
+core as long as 64 decodes (bench/results/2026-11-24-peers.md), while the other workers spend the
 rank's other cores on batches wanted later. With ``warm_start``, worker 0 (the leader, whose
 batch comes first) decodes the images of its first batch on one thread per worker of the rank,
 and the other workers (the followers) start decoding only once the main process has that batch

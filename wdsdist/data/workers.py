@@ -22,9 +22,9 @@ def pin_malloc_threshold(nbytes: int = 1 << 20) -> None:
 
     glibc raises the threshold each time a large block (a decoded image) is freed, after which
     such blocks come from the heap, which fragments: a persistent worker then grows by tens of
-    MB every epoch (measured: 236 -> 437 MB over 4 epochs of ImageNet-sized JPEGs). A fixed
-    1 MiB threshold keeps workers flat (~205 MB) at no cost in speed; 128 KiB would cost a
-    third of the decode rate in mmap calls.
+    MB every epoch. A fixed 1 MiB threshold keeps workers flat at no cost in speed
+    (bench/results/2026-11-21-loader.md); 128 KiB would cost a large share of the decode rate
+    in mmap calls.
     """
     if _malloc_pinned[0] or not sys.platform.startswith("linux"):
         return

@@ -1,6 +1,6 @@
 """simdist's report as text: the parameters, the splits, each rank's line, the verdict, the sample
 balance, coverage and advice. Plan and real mode print the same lines."""
-# Above the size guide on purpose: every line simdist prints is written here, plan and real mode alike, so
+# A long module: every line simdist prints is written here, plan and real mode alike, so
 # the two modes cannot drift apart (tests compare their lines).
 
 from __future__ import annotations

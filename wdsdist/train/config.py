@@ -5,7 +5,7 @@
 against it: a misspelt key or a value of the wrong type fails before anything starts, and
 ``run_hydra`` turns that failure into one ``error:`` line and exit code 2.
 """
-# Above the size guide on purpose: the schema and the one-line translation of Hydra's errors stay together,
+# A long module: the schema and the one-line translation of Hydra's errors stay together,
 # since each message names the schema's keys; split apart, a key's rule and its message would drift.
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class DataConfig(SampleOptions):
     """The loader's SampleOptions (their fields and defaults live there), plus the data set."""
 
     name: str = "custom"
-    train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see README: shard specs)
+    train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see docs/data.md: Shard specs)
     # MISSING, not None: a group's `???` merged onto a default of None would leave None, and a preset
     # that needs held-out shards would silently run without evaluation. null: no evaluation.
     val_shards: str | None = MISSING

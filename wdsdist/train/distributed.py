@@ -43,7 +43,7 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-# init is a little over 60 lines on purpose: it is the one place that reads torchrun's variables and
+# init is one long function: it is the one place that reads torchrun's variables and
 # starts the process groups, and its steps must run in this order (set_device before NCCL's init).
 def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
     """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun) and initialise the process group.

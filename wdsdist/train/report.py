@@ -92,7 +92,7 @@ class Reporter:
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
         """The run's hyperparameters and final metrics for TensorBoard's HParams dashboard.
         ``add_hparams`` writes them in a sub-run named ``run_name``; "." names the run directory
-        itself, so the dashboard links them with this run's own scalars (as before) and a reader
+        itself, so the dashboard links them with this run's own scalars and a reader
         of the run directory finds them there, in a second events file."""
         if self.tb is not None:
             self.tb.add_hparams(hparams, metrics, run_name=".", global_step=0)
