@@ -29,6 +29,12 @@ os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or "1"
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process imported torch already (webdataset)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: starts real training processes (train.py, torchrun, Lightning); -m 'not slow' skips them"
+    )
+
+
 def jpeg(index: int, size: int = 8) -> tuple[bytes, int]:
     img, label = synthetic.draw(index, size=size)
     buf = io.BytesIO()

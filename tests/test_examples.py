@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import ROOT, run_script, write_tiny_shards
 
+pytestmark = pytest.mark.slow  # real training processes
+
 COUNTS = [7, 5, 9, 5, 4]  # 30 samples: 2 ranks x batch 4 -> 4 batches per rank, 2 of them padding
 N, BATCH, RANKS = sum(COUNTS), 4, 2
 

@@ -20,6 +20,8 @@ from tests.conftest import ROOT, jpeg, one_error_line, run_script, write_tiny_sh
 from tests.helpers.training import free_port, load, overrides, torchrun, train
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture, reused)
 
+pytestmark = pytest.mark.slow  # real training processes
+
 FAST = ("data.val_shards=null", "model.name=squeezenet1_1", "trainer.workers=1")
 
 

@@ -16,6 +16,8 @@ import torch
 from tests.conftest import ROOT, run_script, write_tiny_shards
 from wdsdist.data import Loader, LoaderConfig
 
+pytestmark = pytest.mark.slow  # real training processes
+
 pytest.importorskip("pytorch_lightning")
 
 COUNTS = [7, 5, 9, 5, 4]  # 30 samples: 2 ranks x batch 4 -> 4 batches per rank, 2 of them padding

@@ -17,6 +17,8 @@ from tests.conftest import ROOT, run_script, write_tiny_shards
 from tests.helpers.training import free_port, overrides
 from wdsdist.data.index import write_index
 
+pytestmark = pytest.mark.slow  # real training processes
+
 TRAIN_COUNTS = [24] * 4
 
 

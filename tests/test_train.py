@@ -19,6 +19,8 @@ from tests.helpers.training import (
 )
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture)
 
+pytestmark = pytest.mark.slow  # real training processes
+
 SCALARS = {"train/loss", "train/acc", "train/lr", "perf/samples_per_s", "perf/data_wait", "val/top1", "val/loss"}
 
 

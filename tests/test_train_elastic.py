@@ -19,6 +19,8 @@ from tests.helpers.training import load, torchrun
 from wdsdist.data.splits import rank_batches
 from wdsdist.data.stream import shard_order
 
+pytestmark = pytest.mark.slow  # real training processes
+
 COUNTS = [13, 29, 7, 21]  # 70 samples, uneven
 N, BS, SEED = sum(COUNTS), 4, 0
 
