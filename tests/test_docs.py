@@ -10,8 +10,6 @@ import subprocess
 import sys
 import unicodedata
 
-import pytest
-
 from tests.conftest import ROOT
 
 # [text](target) outside code: the target up to a closing parenthesis or a space (a title).
@@ -22,8 +20,8 @@ CODE = re.compile(r"`[^`\n]*`")
 
 def needs_mkdocs() -> None:
     missing = [m for m in ("mkdocs", "material", "mkdocstrings_handlers.python") if not _importable(m)]
-    if missing:
-        pytest.skip(f"mkdocs, mkdocs-material and mkdocstrings[python] are not all in the venv (no {missing[0]})")
+    # requirements-dev.txt pins them, so ./run's environment has them: a missing one is a broken install
+    assert not missing, f"mkdocs, mkdocs-material and mkdocstrings[python] are not all in the venv (no {missing[0]})"
 
 
 def _importable(module: str) -> bool:
