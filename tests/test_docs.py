@@ -89,3 +89,10 @@ def test_the_link_checker_sees_links_and_anchors():
         "many-nodes-torchrun-slurm-kubernetes",
         "object-storage-s3-gcs-minio",
     }
+
+
+def test_every_dated_report_is_in_the_navigation():
+    """A report nobody can reach from the site's menu is lost (mkdocs only notes it, even strict)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [p.name for p in sorted((ROOT / "bench" / "results").glob("*.md")) if f"reports/{p.name}" not in nav]
+    assert missing == [], f"add these to mkdocs.yml's nav under Performance: {missing}"
