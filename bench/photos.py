@@ -100,5 +100,27 @@ def write_tree(tree: Path, n: int, classes: int = 10) -> float:
     return total / n / 1024
 
 
+def quadrant_tree(tree: Path, per_class: int, seed: int) -> float:
+    """A labelled set for accuracy studies: the class is which quadrant of which shipped photograph
+    a JPEG is cut from (7 photographs x 4 quadrants = 28 classes), per_class JPEGs each, written as
+    tree/classNN/imgNNNNNN.jpg; returns the mean size in KB. Train and val: different seeds."""
+    quads = []
+    for src in shipped_photos():
+        h, w = src.shape[:2]
+        for qy, qx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            quads.append(src[qy * h // 2 : (qy + 1) * h // 2, qx * w // 2 : (qx + 1) * w // 2].copy())
+    total, n = 0, per_class * len(quads)
+    for i, (jpg, what) in enumerate(photo_set(quads, n, seed=seed)):
+        folder = tree / f"class{what['source']:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i:06d}.jpg").write_bytes(jpg)
+        total += len(jpg)
+    return total / n / 1024
+
+
 if __name__ == "__main__":
-    print(f"{write_tree(Path(sys.argv[1]), int(sys.argv[2])):.1f}")
+    # photos.py TREE N: the bench's set; photos.py --quadrants TREE PER_CLASS SEED: the labelled one
+    if sys.argv[1] == "--quadrants":
+        print(f"{quadrant_tree(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])):.1f}")
+    else:
+        print(f"{write_tree(Path(sys.argv[1]), int(sys.argv[2])):.1f}")

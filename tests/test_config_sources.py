@@ -69,7 +69,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "cross_shuffle": 12,
         "prefetch": 4,
         "decode_region": False,
-        "decode_downscale": False,
+        "decode_downscale": True,
         "warm_start": False,
         "read_late": False,
     }

@@ -9,12 +9,12 @@ own (``make_params`` of the same ``v2.RandomResizedCrop``), so one seed gives th
 with or without this module, also where libjpeg refuses a file and torchvision decodes it.
 Damage that lies wholly below the crop goes unnoticed, except a file cut short: only JPEGs
 that end with their end-of-image marker are region-decoded.
-Measured on 500x375 ImageNet-like JPEGs (bench.py (e) against (d)): 1.13-1.2x the samples per
-second of a whole decode per core.
+What it saves per core is measured by bench.py ((e) against (d)): bench/results/2026-11-21-loader.md.
 
 Where the region is at least 2, 4 or 8 times the output size in both sides, it is decoded
 at that fraction of its size (libjpeg's DCT scaling), so the resize still only shrinks it
-(``downscale``; such pixels differ slightly from a bilinear shrink of the full decode).
+(``downscale``, off by default; such pixels differ from a bilinear shrink of the full decode, which
+may cost accuracy: bench/results/2026-11-25-decode-downscale-accuracy.md).
 
 The C part is compiled on first use with the system's C compiler against the system's
 libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``) into ``.build/`` (``WDSDIST_BUILD``).

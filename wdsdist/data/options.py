@@ -77,7 +77,9 @@ class StreamOptions:
     cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
     prefetch: int = 2  # batches per worker
     decode_region: bool = True  # decode only the training crop's region of a JPEG (jpegcrop.py)
-    decode_downscale: bool = True  # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size
+    # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size: faster for small images, but
+    # not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)
+    decode_downscale: bool = False
     # The first batch: worker 0 decodes its crops on one thread per worker while the others wait (warmstart.py)
     warm_start: bool = True
     # Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves (lateread.py)
