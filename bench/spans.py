@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from wdsdist.data import shardspec, tarread  # noqa: E402
 from wdsdist.data.index import offsets_entry  # noqa: E402
-from wdsdist.data.shardspec import Access, Shard  # noqa: E402
+from wdsdist.data.opener import Access, open_shard  # noqa: E402
+from wdsdist.data.shardspec import Shard  # noqa: E402
 from wdsdist.data.spanread import read_span  # noqa: E402
 
 
@@ -110,7 +111,7 @@ def time_span(shard: Shard, start: int, stop: int | None, how: str, counter: lis
     counter[0] = 0
     t0 = time.perf_counter()
     if how == "read and drop":
-        stream = tarread.open_shard(shard.url, access)
+        stream = open_shard(shard.url, access)
         try:
             n = sum(1 for _ in itertools.islice(tarread.tar_samples(stream, shard.url), start, stop))
         finally:

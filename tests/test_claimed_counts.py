@@ -12,9 +12,9 @@ import torch
 
 from wdsdist.data import shardspec
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.order import shard_order, shuffled_offsets
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
-from wdsdist.data.stream import shard_order, shuffled_offsets
 from wdsdist.errors import UserError
 
 CLAIMED = 200_000  # what the index says the middle shard holds; it holds 10

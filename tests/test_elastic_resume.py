@@ -10,6 +10,7 @@ import pytest
 
 from wdsdist.data.elastic import SHARED, rank_state
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.order import shard_order, shuffled_offsets
 from wdsdist.data.pipeline import make_loader
 from wdsdist.data.resume import (
     ResumePoint,
@@ -23,7 +24,6 @@ from wdsdist.data.resume import (
     whole_epoch,
 )
 from wdsdist.data.splits import plan_samples, rank_batches, sample_span, span_pieces
-from wdsdist.data.stream import shard_order, shuffled_offsets
 from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.loading import Quiet
-from wdsdist.data import tarread
+from wdsdist.data import opener
 from wdsdist.data.index import offsets_entry
 from wdsdist.data.lateread import Late, read_late
-from wdsdist.data.shardspec import Access, SampleOffsets, Shard, _offsets
+from wdsdist.data.opener import Access
+from wdsdist.data.shardspec import SampleOffsets, Shard, _offsets
 from wdsdist.data.spanread import read_span
 from wdsdist.data.tarread import Oversized, sample_offsets, tar_samples
 
@@ -217,7 +218,7 @@ def test_a_local_span_reads_no_byte_of_the_samples_before_or_after_it(tmp_path, 
     def counting_open(name, mode="r", buffering=-1):
         return io.BufferedReader(_Counting(str(name), counter))
 
-    monkeypatch.setattr(tarread, "open", counting_open, raising=False)
+    monkeypatch.setattr(opener, "open", counting_open, raising=False)
     offsets = (
         _offsets("t", offsets_entry(sample_offsets(io.BytesIO(path.read_bytes())), 3), n) if with_offsets else None
     )

@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.training import load, torchrun
+from wdsdist.data.order import shard_order
 from wdsdist.data.splits import rank_batches
-from wdsdist.data.stream import shard_order
 
 pytestmark = pytest.mark.slow  # real training processes
 

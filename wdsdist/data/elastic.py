@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.order import iter_shuffled_offsets
 from wdsdist.data.resume import (
     Ranges,
     ResumePoint,
@@ -25,7 +26,6 @@ from wdsdist.data.resume import (
     whole_epoch,
 )
 from wdsdist.data.splits import rank_batches
-from wdsdist.data.stream import iter_shuffled_offsets
 from wdsdist.errors import UserError
 
 # What a loader state must hold for a re-split (RankLoader.state_dict writes them).

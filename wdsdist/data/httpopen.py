@@ -31,7 +31,7 @@ _CHUNK = 1 << 20  # bytes per read when dropping the start of a body whose serve
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
-class _Meter:
+class Meter:
     """Counts bytes and the seconds spent waiting for them; too few per window is an error."""
 
     def __init__(self, window: float, min_rate: int) -> None:
@@ -52,7 +52,7 @@ class _Meter:
 
 
 class _MeteredRaw(io.RawIOBase):
-    def __init__(self, raw: io.RawIOBase, meter: _Meter) -> None:
+    def __init__(self, raw: io.RawIOBase, meter: Meter) -> None:
         self._raw, self._meter = raw, meter
 
     def readable(self) -> bool:
@@ -72,7 +72,7 @@ class _MeteredRaw(io.RawIOBase):
 class _MeteredSocket:
     """A connected socket whose read file goes through a meter; everything else is the socket."""
 
-    def __init__(self, sock, meter: _Meter) -> None:
+    def __init__(self, sock, meter: Meter) -> None:
         self._sock, self._meter = sock, meter
 
     def makefile(self, mode: str = "r", buffering: int | None = None, **kw):
@@ -87,7 +87,7 @@ class _MeteredSocket:
 class _Metered:
     """Mixed into http.client's connections: the socket, once connected (and TLS set up), is metered."""
 
-    def __init__(self, *args, meter: _Meter, **kw) -> None:
+    def __init__(self, *args, meter: Meter, **kw) -> None:
         super().__init__(*args, **kw)
         self._meter = meter
 
@@ -110,7 +110,7 @@ class _HTTPHandler(urllib.request.HTTPHandler):
         self.min_rate = min_rate
 
     def http_open(self, req):
-        meter = _Meter(req.timeout, self.min_rate)
+        meter = Meter(req.timeout, self.min_rate)
         return self.do_open(functools.partial(_HTTPConnection, meter=meter), req)
 
 
@@ -120,7 +120,7 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         self.min_rate = min_rate
 
     def https_open(self, req):
-        meter = _Meter(req.timeout, self.min_rate)
+        meter = Meter(req.timeout, self.min_rate)
         return self.do_open(functools.partial(_HTTPSConnection, meter=meter), req, context=self._context)
 
 

@@ -9,10 +9,9 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO
 
-import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen, s3open, tarread
+from wdsdist.data import opener, s3open, tarread
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
@@ -20,6 +19,8 @@ INDEX_KIND = "wids-shard-index-v1"
 # from mid-shard passes over at most 15 samples' headers (locally) or bytes (http) to its start.
 OFFSET_EVERY = 16
 HTTP_TIMEOUT = 60.0  # seconds, as data.http_timeout's default
+# Counting a shard the user named (makeshards.py --index): pipe: runs, http and stores as by default.
+COUNT_ACCESS = opener.Access(allow_pipe=True, http_timeout=HTTP_TIMEOUT)
 
 
 def index_path(outdir: str, prefix: str) -> str:
@@ -167,15 +168,12 @@ def count_samples(url: str) -> int:
             with tarfile.open(url, mode="r:*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())
         # http(s) and object stores the way the loader reads them (their limits), not through a CLI.
-        if url.startswith(("http://", "https://")):
-            stream = httpopen.open_url(url, HTTP_TIMEOUT)
-        elif s3open.is_object_url(url):
-            try:
-                stream = s3open.open_url(url, HTTP_TIMEOUT)
-            except OSError as exc:  # no object, no access: not a question of the tar format
-                raise UserError(f"{url}: cannot read shard: {exc}") from None
-        else:
-            stream = wds.gopen(url, "rb")
+        try:
+            stream = opener.open_shard(url, COUNT_ACCESS)
+        except OSError as exc:  # no object, no access: not a question of the tar format
+            if not s3open.is_object_url(url):
+                raise
+            raise UserError(f"{url}: cannot read shard: {exc}") from None
         try:
             with tarfile.open(fileobj=stream, mode="r|*") as tar:
                 return count_keys(m.name for m in tar if m.isreg())

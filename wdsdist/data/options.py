@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
-from wdsdist.data import httpopen, shardspec
+from wdsdist.data import httpopen, opener
 from wdsdist.errors import UserError
 
 
@@ -124,8 +124,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
         return cls(**(values | given))
 
     @property
-    def access(self) -> shardspec.Access:
-        return shardspec.Access(
+    def access(self) -> opener.Access:
+        return opener.Access(
             allow_pipe=self.allow_pipe,
             trust_index=self.trust_index,
             http_timeout=self.http_timeout,

@@ -51,7 +51,7 @@ from dataclasses import replace
 import torch
 import webdataset as wds
 
-from wdsdist.data import jpegcrop, shardspec
+from wdsdist.data import jpegcrop, opener, shardspec
 from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.elastic import SHARED, Resize, counts_digest, resize_state
 from wdsdist.data.index import count_samples
@@ -252,7 +252,7 @@ def as_is(batch: dict) -> dict:
 def known_counts(shards: Sequence[Shard], *, count_local: bool) -> list[int] | None:
     """Per-shard sample counts from the index, or counted from local tar headers if asked."""
     counts = shardspec.sample_counts(shards)
-    if counts is None and count_local and not any(shardspec.is_remote(s.url) for s in shards):
+    if counts is None and count_local and not any(opener.is_remote(s.url) for s in shards):
         counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
     return counts
 

@@ -368,7 +368,7 @@ def saved_progress(
     positions, from the old ranks' saved points (one per rank, in rank order) on the layout
     they were saved with. A worker reads its span's positions in order, but its seq numbers
     count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
-    seq, in seq order (stream.iter_shuffled_offsets replays the shuffle; None: no shuffle); a
+    seq, in seq order (order.iter_shuffled_offsets replays the shuffle; None: no shuffle); a
     failed shard keeps its positions in the stream as placeholders, so that holds with bad data
     too. A worker with no entry for ``epoch`` delivered nothing of it, or all of it if it is
     past it. Replaying costs O(span) time, transiently, up to the last seq consumed; the result

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from wdsdist.data.httpopen import DEFAULT_MIN_RATE, _Meter
+from wdsdist.data.httpopen import DEFAULT_MIN_RATE, Meter
 
 SCHEMES = ("s3", "gs")
 GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -196,7 +196,7 @@ def _call(url: str, timeout: float, endpoint_url: str | None, method: str, **par
 class _Body(io.RawIOBase):
     """An object's body, read one socket receive at a time through the meter."""
 
-    def __init__(self, raw: Any, meter: _Meter, url: str, timeout: float) -> None:
+    def __init__(self, raw: Any, meter: Meter, url: str, timeout: float) -> None:
         self._raw, self._meter, self._url, self._timeout = raw, meter, url, timeout
         self._eof = False
 
@@ -254,7 +254,7 @@ def open_url(
     if params and response["ResponseMetadata"]["HTTPStatusCode"] != 206:
         raw.close()
         raise OSError(f"the store ignored the byte range {params['Range']} (answered with the whole object)")
-    return io.BufferedReader(_Body(raw, _Meter(timeout, min_rate), url, timeout), _BUFFER)
+    return io.BufferedReader(_Body(raw, Meter(timeout, min_rate), url, timeout), _BUFFER)
 
 
 def read_capped(

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import braceexpand
 
 from wdsdist.data import httpopen, s3open
+from wdsdist.data.opener import Access, is_http, is_remote, read_capped
+from wdsdist.data.tarread import is_tar_header
 from wdsdist.errors import UserError
 
-REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")
 MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack
 # Sample offsets an index may hold in all: one for every sample of ImageNet's 1.28 M (16 MB packed
 # in each process); an index with more is read without them, with a warning.
@@ -79,57 +80,13 @@ class Shard:
     offsets: SampleOffsets | None = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class Access:
-    """What reading a spec may do beyond local files the user named.
-
-    ``allow_pipe``: ``pipe:`` URLs (a shell command) may run. ``trust_index``: an index may name
-    shards outside its own place (absolute paths, ``..``, another server or bucket, other URL
-    schemes, and with ``allow_pipe`` also ``pipe:``); without it a local index names files inside
-    its folder or URLs, an http(s) index names http(s) URLs on its own server (scheme, host and
-    port), and an s3:// or gs:// index names objects in its own bucket.
-
-    ``http_timeout`` and ``http_min_rate`` hold for object stores too; ``s3_endpoint_url`` and
-    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go."""
-
-    allow_pipe: bool = False
-    trust_index: bool = False
-    http_timeout: float = 60.0
-    http_min_rate: int = httpopen.DEFAULT_MIN_RATE
-    s3_endpoint_url: str | None = None
-    gs_endpoint_url: str | None = None
-
-    def endpoint_url(self, url: str) -> str | None:
-        """The configured endpoint of an s3:// or gs:// URL's store."""
-        return self.gs_endpoint_url if url.startswith("gs://") else self.s3_endpoint_url
-
-
-def is_remote(url: str) -> bool:
-    return url.startswith(REMOTE_PREFIXES)
-
-
 def is_index(spec: str) -> bool:
     return spec.split("?", 1)[0].endswith(".json")
 
 
-def _is_http(url: str) -> bool:
-    return url.startswith(("http://", "https://"))
-
-
 def _read_text(url: str, access: Access) -> str:
     try:
-        if _is_http(url):
-            data = httpopen.read_capped(url, MAX_INDEX_BYTES, access.http_timeout, access.http_min_rate)
-        elif s3open.is_object_url(url):
-            data = s3open.read_capped(
-                url, MAX_INDEX_BYTES, access.http_timeout, access.http_min_rate, endpoint_url=access.endpoint_url(url)
-            )
-        else:
-            with open(url, "rb") as f:
-                data = f.read(MAX_INDEX_BYTES + 1)
-            if len(data) > MAX_INDEX_BYTES:
-                raise ValueError(f"it is more than the limit of {MAX_INDEX_BYTES} bytes")
-        return data.decode("utf-8")
+        return read_capped(url, access, MAX_INDEX_BYTES).decode("utf-8")
     except OSError as exc:
         reason = exc.strerror or (exc.args[0] if exc.args else exc.__class__.__name__)
         raise UserError(f"cannot read shard index {url}: {reason}") from None
@@ -161,7 +118,7 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
         if not access.allow_pipe:
             raise UserError(f"{index_url}: shardlist[{i}]: {url!r}: pipe: URLs are refused (allow_pipe is false)")
         return url
-    remote_index = _is_http(index_url)
+    remote_index = is_http(index_url)
     object_index = s3open.is_object_url(index_url)
     match = _SCHEME.match(url)
     if match:
@@ -238,8 +195,6 @@ def _check_fits(where: str, url: str, path: str, n: int) -> None:
             head = f.read(_BLOCK)
     except OSError:
         return
-    from wdsdist.data.tarread import is_tar_header  # tarread imports this module
-
     if is_tar_header(head):
         print(
             f"warning: {where}: {url!r}: nsamples {n} cannot fit in its {size} bytes (each sample takes at "

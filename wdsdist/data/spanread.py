@@ -14,8 +14,9 @@ from __future__ import annotations
 import tarfile
 from collections.abc import Iterator
 
-from wdsdist.data.shardspec import Access, Shard
-from wdsdist.data.tarread import open_shard, tar_samples
+from wdsdist.data.opener import Access, open_shard
+from wdsdist.data.shardspec import Shard
+from wdsdist.data.tarread import tar_samples
 
 
 def read_span(

@@ -26,13 +26,15 @@ from wdsdist.data.batches import collate
 from wdsdist.data.decode import make_transform, prepare_sample
 from wdsdist.data.jpegcrop import crop_decoder
 from wdsdist.data.lateread import read_late
+from wdsdist.data.opener import open_shard
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.order import shard_order
 from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.shardspec import Shard
 from wdsdist.data.sharedbatches import SharedBatches
 from wdsdist.data.spanread import read_span
 from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
-from wdsdist.data.tarread import open_shard, tar_samples
+from wdsdist.data.tarread import tar_samples
 from wdsdist.data.warmstart import WarmStart, threads_for
 from wdsdist.data.workers import pin_malloc_threshold, warn_skip
 from wdsdist.errors import DataError
@@ -41,35 +43,8 @@ T = TypeVar("T")
 POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
 # split=samples: a position of the span that no sample came for (its shard failed or came short).
 # It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
-# resume replays (stream.shuffled_offsets); it is never decoded, and counts as skipped.
+# resume replays (order.shuffled_offsets); it is never decoded, and counts as skipped.
 FAILED = "__failed__"
-
-
-def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> list[T]:
-    """A worker's shards for one epoch: ``dsrepeat`` passes, each shuffled; the same on every rank.
-    (split=samples: all shards, one pass: the epoch's shard order.)"""
-    rng = random.Random(f"{seed}:{epoch}")
-    order: list[T] = []
-    for _ in range(dsrepeat):
-        one = list(shards)
-        rng.shuffle(one)
-        order.extend(one)
-    return order
-
-
-def shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> list[int]:
-    """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, by
-    replaying its shuffle buffer over the offsets (its permutation depends on the seed and the
-    length only). What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
-    return list(iter_shuffled_offsets(cfg, rank, worker, epoch, length))
-
-
-def iter_shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> Iterator[int]:
-    """shuffled_offsets, lazily: a resume needs them only up to the last seq consumed."""
-    if cfg.shuffle_buffer <= 0:
-        return iter(range(length))
-    rng = random.Random(f"{cfg.seed}:{epoch}:{rank}:{worker}:0:samples")
-    return wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length)))
 
 
 def _primed(rows: Iterator[T]) -> Iterator[T]:

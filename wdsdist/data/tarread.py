@@ -1,4 +1,4 @@
-"""Opening a shard, and samples from its tar stream, read with as little Python per member as we can.
+"""Samples from a shard's tar stream, read with as little Python per member as we can.
 
 Python's ``tarfile`` in stream mode parses each member into a TarInfo and copies it through its
 stream buffer (three members per ImageNet sample): a noticeable share of a DataLoader worker's
@@ -22,7 +22,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import gzip
-import io
 import lzma
 import os
 import re
@@ -30,13 +29,9 @@ import struct
 import tarfile
 from collections.abc import Iterator
 
-import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import httpopen, s3open, shardspec
 from wdsdist.data.lateread import ADVISE, AHEAD, LATE_MIN, Late, LateFile, late_file
-from wdsdist.data.shardspec import Access
-from wdsdist.errors import DataError
 
 BLOCK = 512
 _CHUNK = 1 << 20  # bytes per read when skipping a member of a stream that cannot seek
@@ -147,7 +142,7 @@ def _read_exactly(stream, n: int) -> bytes:
     return data
 
 
-def _skip(stream, n: int, seek_above: int = 1 << 16) -> None:
+def skip_bytes(stream, n: int, seek_above: int = 1 << 16) -> None:
     """Pass n bytes: by seeking where the stream can, else read and dropped a chunk at a time
     (never n bytes at once: n comes from the shard). Below ``seek_above`` bytes a read through
     the buffer is cheaper than the seek that empties it."""
@@ -209,7 +204,7 @@ def _members(
         if kind in (b"x", b"L", b"g"):
             _size(size, "extended header", limit)
             meta = _read_exactly(stream, size)
-            _skip(stream, padding)
+            skip_bytes(stream, padding)
             pos += size + padding
             if kind == b"L":
                 long_name = meta.rstrip(b"\0").decode("utf-8", "surrogateescape")
@@ -228,22 +223,22 @@ def _members(
             long_name, pax = None, {}
             key, suffix = base_plus_ext(name) if kind in _REGULAR else (None, None)
             if key is None or (name.startswith("__") and _META.match(name)):
-                _skip(stream, size + padding)
+                skip_bytes(stream, size + padding)
             else:
                 if key != last:
                     last, started = key, started + 1
                     if end is not None and started > end:
                         return
                 if started <= skip:
-                    _skip(stream, size + padding, seek_above=0)
+                    skip_bytes(stream, size + padding, seek_above=0)
                 elif limit is not None and size > limit and (wanted is None or suffix.lower() in wanted):
-                    _skip(stream, size + padding)
+                    skip_bytes(stream, size + padding)
                     yield key, suffix.lower(), Oversized(size), at
                 elif late is not None and size >= LATE_MIN and (wanted is None or suffix.lower() in wanted):
                     where = base + pos
                     if where + size > late.size:
                         raise tarfile.ReadError("unexpected end of data")
-                    _skip(stream, size + padding, seek_above=0)
+                    skip_bytes(stream, size + padding, seek_above=0)
                     if where + size > ahead - AHEAD // 2 and ADVISE is not None:
                         # Passing over the data defeats the kernel's readahead: ask for the next
                         # bytes ourselves, so that headers and late reads find them in memory.
@@ -254,10 +249,10 @@ def _members(
                     yield key, suffix.lower(), Late(late, where, size), at
                 elif wanted is None or suffix.lower() in wanted:
                     data = _read_exactly(stream, size)
-                    _skip(stream, padding)
+                    skip_bytes(stream, padding)
                     yield key, suffix.lower(), data, at
                 else:
-                    _skip(stream, size + padding)
+                    skip_bytes(stream, size + padding)
                     yield key, suffix.lower(), None, at
             pos += size + padding
             at = pos
@@ -347,38 +342,3 @@ def sample_offsets(stream) -> list[int] | None:
             offsets.append(at)
             last = key
     return offsets
-
-
-def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.BufferedIOBase:
-    """Open a shard for sequential reading from byte ``start``; ``end`` (exclusive) is where the
-    caller will stop at the latest, for sources that can ask for less (an http Range request).
-    Local files seek to ``start``; sources that cannot seek read and drop the bytes before it.
-
-    http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
-    a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
-    below ``http_min_rate``, and a redirect off http(s) is refused. s3:// and gs:// go through
-    boto3 (s3open) with the same limits. ``pipe:`` runs its command
-    in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
-    WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
-    """
-    if url.startswith(("http://", "https://")):
-        return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=start, end=end)
-    if s3open.is_object_url(url):
-        return s3open.open_url(
-            url, access.http_timeout, access.http_min_rate, start=start, end=end, endpoint_url=access.endpoint_url(url)
-        )
-    if url.startswith("pipe:"):
-        if not access.allow_pipe:
-            raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
-        stream = wds.gopen(url, "rb")
-    elif shardspec.is_remote(url) or url.startswith("file:"):
-        stream = wds.gopen(url, "rb")
-    else:
-        stream = open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
-    if start:
-        try:
-            _skip(stream, start, seek_above=0)
-        except BaseException:
-            stream.close()
-            raise
-    return stream

@@ -1,0 +1,102 @@
+"""Where a shard's or an index's bytes come from, written once: a local file, http(s) (httpopen),
+s3:// and gs:// (s3open), or a ``pipe:`` command (WebDataset's gopen, refused unless allowed).
+Whatever reads a shard or an index opens it here, with the limits an ``Access`` carries; what it
+then parses (tar headers, JSON) knows nothing of URLs."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+import webdataset as wds
+
+from wdsdist.data import httpopen, s3open
+from wdsdist.data.tarread import skip_bytes
+from wdsdist.errors import DataError
+
+REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")
+
+
+@dataclass(frozen=True)
+class Access:
+    """What reading a spec may do beyond local files the user named.
+
+    ``allow_pipe``: ``pipe:`` URLs (a shell command) may run. ``trust_index``: an index may name
+    shards outside its own place (absolute paths, ``..``, another server or bucket, other URL
+    schemes, and with ``allow_pipe`` also ``pipe:``); without it a local index names files inside
+    its folder or URLs, an http(s) index names http(s) URLs on its own server (scheme, host and
+    port), and an s3:// or gs:// index names objects in its own bucket.
+
+    ``http_timeout`` and ``http_min_rate`` hold for object stores too; ``s3_endpoint_url`` and
+    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go."""
+
+    allow_pipe: bool = False
+    trust_index: bool = False
+    http_timeout: float = 60.0
+    http_min_rate: int = httpopen.DEFAULT_MIN_RATE
+    s3_endpoint_url: str | None = None
+    gs_endpoint_url: str | None = None
+
+    def endpoint_url(self, url: str) -> str | None:
+        """The configured endpoint of an s3:// or gs:// URL's store."""
+        return self.gs_endpoint_url if url.startswith("gs://") else self.s3_endpoint_url
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(REMOTE_PREFIXES)
+
+
+def is_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.BufferedIOBase:
+    """Open a shard for sequential reading from byte ``start``; ``end`` (exclusive) is where the
+    caller will stop at the latest, for sources that can ask for less (an http Range request).
+    Local files seek to ``start``; sources that cannot seek read and drop the bytes before it.
+
+    http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
+    a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
+    below ``http_min_rate``, and a redirect off http(s) is refused. s3:// and gs:// go through
+    boto3 (s3open) with the same limits. ``pipe:`` runs its command
+    in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
+    WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
+    """
+    if is_http(url):
+        return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=start, end=end)
+    if s3open.is_object_url(url):
+        return s3open.open_url(
+            url, access.http_timeout, access.http_min_rate, start=start, end=end, endpoint_url=access.endpoint_url(url)
+        )
+    if url.startswith("pipe:"):
+        if not access.allow_pipe:
+            raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
+        stream = wds.gopen(url, "rb")
+    elif is_remote(url) or url.startswith("file:"):
+        stream = wds.gopen(url, "rb")
+    else:
+        stream = open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+    if start:
+        try:
+            skip_bytes(stream, start, seek_above=0)
+        except BaseException:
+            stream.close()
+            raise
+    return stream
+
+
+def read_capped(url: str, access: Access, limit: int) -> bytes:
+    """The whole of a small file (an index) from a local path, http(s), s3:// or gs://, refused
+    (ValueError) when it is larger than ``limit`` bytes; never holds more than ``limit`` + 1."""
+    if is_http(url):
+        return httpopen.read_capped(url, limit, access.http_timeout, access.http_min_rate)
+    if s3open.is_object_url(url):
+        return s3open.read_capped(
+            url, limit, access.http_timeout, access.http_min_rate, endpoint_url=access.endpoint_url(url)
+        )
+    with open(url, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"it is more than the limit of {limit} bytes")
+    return data
