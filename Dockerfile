@@ -31,7 +31,7 @@ WORKDIR /app
 COPY requirements.txt ./
 RUN python3 -m pip install -r requirements.txt
 
-# ---- jpegcrop: wdsdist/data/jpegcrop.c compiled by the code's own loader (the same file name
+# ---- jpegcrop: wdsdist/data/decode/jpegcrop.c compiled by the code's own loader (the same file name
 # and flags it would use at run time), so the final image needs no compiler. Into WDSDIST_BUILD:
 # wdsdist alone, with no checkout around it, would build into the user's cache folder.
 FROM runtime AS jpegcrop
@@ -40,7 +40,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY wdsdist ./wdsdist
-RUN python3 -c "import sys; from wdsdist.data import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)"
+RUN python3 -c "import sys; from wdsdist.data.decode import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)"
 
 # ---- the image
 FROM runtime

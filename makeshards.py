@@ -17,8 +17,8 @@ import sys
 
 from tqdm import tqdm
 
-from wdsdist.data import s3open, shardspec
-from wdsdist.data.index import (
+from wdsdist.data.sources import s3open, shardspec
+from wdsdist.data.sources.index import (
     HTTP_TIMEOUT,
     OFFSET_EVERY,
     count_samples,

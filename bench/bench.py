@@ -116,7 +116,7 @@ def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
         return {"dataset": dataset, "size": SIZES[dataset]} | json.loads(marker.read_text())
     from tqdm import tqdm
 
-    from wdsdist.data.index import index_path
+    from wdsdist.data.sources.index import index_path
     from wdsdist.tools.shards import Sample, ShardSink
 
     shutil.rmtree(data / "peers", ignore_errors=True)  # the peers' copies of images about to be replaced
@@ -165,8 +165,8 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     from torchvision.datasets import ImageFolder
 
     if name in ("ours", "ours-samples", "ours-cross", "ours-whole"):
+        from wdsdist.data.delivery.pipeline import make_loader
         from wdsdist.data.options import LoaderConfig
-        from wdsdist.data.pipeline import make_loader
 
         # The trainer's loader defaults (conf: loader.*): epochless, as the trainer runs it.
         cfg = LoaderConfig(
@@ -183,7 +183,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
         )
         return make_loader(info["index"], 0, 1, cfg)
     if name == "seed":
-        from wdsdist.data import shardspec
+        from wdsdist.data.sources import shardspec
 
         urls = [s.url for s in shardspec.expand(info["index"])]
         ds = (
@@ -306,10 +306,10 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     import webdataset as wds
     from torchvision.io import ImageReadMode, decode_image
 
-    from wdsdist.data import shardspec
-    from wdsdist.data.decode import decode_sample, make_transform
-    from wdsdist.data.jpegcrop import crop_decoder
+    from wdsdist.data.decode.jpegcrop import crop_decoder
+    from wdsdist.data.decode.sample import decode_sample, make_transform
     from wdsdist.data.options import LoaderConfig
+    from wdsdist.data.sources import shardspec
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     # The whole set in memory (no I/O), as the loader goes through it: one shard's 22 MB would
@@ -364,7 +364,7 @@ def import_first(name: str) -> None:
         for module in ["peers", *modules[name]]:
             importlib.import_module(module)
     else:
-        for module in ["webdataset", "torchvision.datasets", "wdsdist.data.pipeline", "wdsdist.data.options"]:
+        for module in ["webdataset", "torchvision.datasets", "wdsdist.data.delivery.pipeline", "wdsdist.data.options"]:
             importlib.import_module(module)
 
 

@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from wdsdist.data.jpegcrop import CropDecoder, crop_decoder  # noqa: E402
+from wdsdist.data.decode.jpegcrop import CropDecoder, crop_decoder  # noqa: E402
 
 
 def at_least_twice(decoder: CropDecoder):

@@ -38,7 +38,7 @@ def shard_paths(info: dict) -> list[str]:
 
 
 def torch_transform():
-    """Ours, exactly (wdsdist.data.decode.make_transform): v2 on uint8 CHW tensors."""
+    """Ours, exactly (wdsdist.data.decode.sample.make_transform): v2 on uint8 CHW tensors."""
     from torchvision.transforms import v2
 
     return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])

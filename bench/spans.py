@@ -31,11 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from wdsdist.data import shardspec, tarread  # noqa: E402
-from wdsdist.data.index import offsets_entry  # noqa: E402
-from wdsdist.data.opener import Access, open_shard  # noqa: E402
-from wdsdist.data.shardspec import Shard  # noqa: E402
-from wdsdist.data.spanread import read_span  # noqa: E402
+from wdsdist.data.sources import shardspec  # noqa: E402
+from wdsdist.data.sources.index import offsets_entry  # noqa: E402
+from wdsdist.data.sources.opener import Access, open_shard  # noqa: E402
+from wdsdist.data.sources.shardspec import Shard  # noqa: E402
+from wdsdist.data.sources.spanread import read_span  # noqa: E402
+from wdsdist.data.tar import tarread  # noqa: E402
 
 
 def make_shard(path: Path, n: int, seed: int = 0) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from wdsdist.data.index import index_path, write_index
+from wdsdist.data.sources.index import index_path, write_index
 from wdsdist.tools import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def write_tiny_shards(outdir: Path, counts: list[int], prefix: str = "tiny", siz
 def fresh_skip_warnings():
     """The loader prints the first 20 skip warnings of a process: each test starts its own count,
     since in-process loaders (workers=0) share pytest's process."""
-    from wdsdist.data import workers
+    from wdsdist.data.delivery import workers
 
     workers._warned[0] = 0
 

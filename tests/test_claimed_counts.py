@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from wdsdist.data import shardspec
+from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import shard_order, shuffled_offsets
-from wdsdist.data.pipeline import make_loader
-from wdsdist.data.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
+from wdsdist.data.plan.order import shard_order, shuffled_offsets
+from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
+from wdsdist.data.sources import shardspec
 from wdsdist.errors import UserError
 
 CLAIMED = 200_000  # what the index says the middle shard holds; it holds 10

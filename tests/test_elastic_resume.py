@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from wdsdist.data.elastic import SHARED, rank_state
+from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import shard_order, shuffled_offsets
-from wdsdist.data.pipeline import make_loader
-from wdsdist.data.resume import (
+from wdsdist.data.plan.elastic import SHARED, rank_state
+from wdsdist.data.plan.order import shard_order, shuffled_offsets
+from wdsdist.data.plan.resume import (
     ResumePoint,
     WorkerProgress,
     ranges_length,
@@ -23,7 +23,7 @@ from wdsdist.data.resume import (
     virtual_to_real,
     whole_epoch,
 )
-from wdsdist.data.splits import plan_samples, rank_batches, sample_span, span_pieces
+from wdsdist.data.plan.splits import plan_samples, rank_batches, sample_span, span_pieces
 from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import jpeg
 from tests.helpers.loading import Quiet, cfg, keys_and_bad
-from wdsdist.data import shardspec
-from wdsdist.data.pipeline import make_eval_loader, make_loader
+from wdsdist.data.delivery.pipeline import make_eval_loader, make_loader
+from wdsdist.data.sources import shardspec
 from wdsdist.errors import DataError, UserError
 
 
@@ -158,9 +158,9 @@ def _shard(path, samples) -> str:
 
 _READ_IN_A_CHILD = """
 import sys
-from wdsdist.data import shardspec
+from wdsdist.data.sources import shardspec
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import make_eval_loader
+from wdsdist.data.delivery.pipeline import make_eval_loader
 cfg = LoaderConfig(batch_size=2, workers=int(sys.argv[2]), mode="epoch", image_size=8, with_keys=True,
                    shuffle_buffer=0, image_key="jpg;png")
 keys, bad = [], 0
@@ -190,7 +190,7 @@ def test_pngs_decode_to_the_pixels_torchvision_gave(mode):
     import torch
     from torchvision.io import ImageReadMode, decode_image
 
-    from wdsdist.data.decode import _decode_other
+    from wdsdist.data.decode.sample import _decode_other
 
     data = _png(mode, size=24, seed=3)
     ours = _decode_other(data, "w", 10**9)
@@ -205,7 +205,7 @@ def test_a_16_bit_png_keeps_its_high_byte():
     import numpy as np
     from PIL import Image
 
-    from wdsdist.data.decode import _decode_other
+    from wdsdist.data.decode.sample import _decode_other
 
     grey = np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257
     buf = io.BytesIO()

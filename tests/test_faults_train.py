@@ -255,8 +255,8 @@ def test_bad_shards_or_layout_for_train_is_one_line_naming_the_key(shards, tmp_p
 def test_end_epoch_starts_the_next_epoch_whole(tiny_shards):
     # What every rank does when another ran out early: the next epoch is whole, and a checkpoint
     # taken in between points at its start.
+    from wdsdist.data.delivery.pipeline import make_loader
     from wdsdist.data.options import LoaderConfig
-    from wdsdist.data.pipeline import make_loader
 
     cfg = LoaderConfig(batch_size=4, workers=0, mode="epoch", image_size=8, shuffle_buffer=0)
     loader = make_loader(str(tiny_shards([8, 8])), 0, 1, cfg)

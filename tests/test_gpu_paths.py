@@ -176,8 +176,8 @@ def test_eval_sums_equal_bincounts_and_need_no_values_on_the_host():
 
 
 def test_a_batch_stacked_without_a_free_shared_buffer_is_pinned_when_pin_memory_is_set(monkeypatch):
-    from wdsdist.data import batches
-    from wdsdist.data.sharedbatches import SharedBatches
+    from wdsdist.data.delivery import batches
+    from wdsdist.data.delivery.sharedbatches import SharedBatches
 
     pinned = []
     monkeypatch.setattr(batches, "pin", lambda t: pinned.append(t) or t.clone())  # pin_memory needs CUDA

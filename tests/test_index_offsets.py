@@ -12,10 +12,10 @@ import shutil
 import pytest
 
 from tests.conftest import one_error_line, run_script
-from wdsdist.data import shardspec
-from wdsdist.data.index import read_index, write_index
-from wdsdist.data.shardspec import Shard
-from wdsdist.data.tarread import sample_offsets
+from wdsdist.data.sources import shardspec
+from wdsdist.data.sources.index import read_index, write_index
+from wdsdist.data.sources.shardspec import Shard
+from wdsdist.data.tar.tarread import sample_offsets
 from wdsdist.errors import UserError
 
 

@@ -30,7 +30,7 @@ PROBE = """
 import importlib.metadata as md, json, sys, sysconfig
 import wdsdist, wdsdist.data
 from wdsdist.data import Loader, LoaderConfig
-from wdsdist.data import jpegcrop
+from wdsdist.data.decode import jpegcrop
 lib = jpegcrop.load()
 print(json.dumps({
     "file": wdsdist.__file__,

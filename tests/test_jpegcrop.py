@@ -19,11 +19,11 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.conftest import write_tiny_shards
-from wdsdist.data import jpegcrop
-from wdsdist.data.decode import decode_sample, make_transform
-from wdsdist.data.jpegcrop import CropDecoder, JpegError, crop_decoder, region
+from wdsdist.data.decode import jpegcrop
+from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError, crop_decoder, region
+from wdsdist.data.decode.sample import decode_sample, make_transform
+from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import make_loader
 from wdsdist.errors import DataError
 from wdsdist.tools import synthetic
 

@@ -1,4 +1,6 @@
-"""The package layout draws the architecture: data/ is the loader, train/ and tools/ use it."""
+"""The package layout draws the architecture: data/ is the loader, train/ and tools/ use it; inside
+data/, the subpackages import one another only along the arrows below, and no module of the
+package takes part in an import circle or reaches for another module's private name."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from wdsdist.data import jpegcrop
+from wdsdist.data.decode import jpegcrop
 
 PACKAGE = ROOT / "wdsdist"
 
@@ -31,10 +33,165 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "data").rglob("*.py")), ids=lambda p: p.name)
-def test_data_imports_neither_train_nor_tools(path: Path) -> None:
-    wrong = sorted(n for n in imported_modules(path) if n.startswith(("wdsdist.train", "wdsdist.tools")))
-    assert wrong == [], f"{path.relative_to(ROOT)} imports {wrong}: data/ must not depend on train/ or tools/"
+# What each part of wdsdist/data may import of wdsdist/data (besides itself). The reading of shards
+# (sources) sits on the tar parser, which knows no URLs; decoding sits on the parser's members;
+# planning is pure arithmetic on counts and seeds; delivery runs it all; loader.py is the public face.
+DATA_ARROWS = {
+    "tar": set(),
+    "sources": {"tar"},
+    "decode": {"tar", "options"},
+    "plan": {"options"},
+    "delivery": {"sources", "tar", "decode", "plan", "options"},
+    "options": {"sources"},
+    "loader": {"sources", "plan", "delivery", "options"},
+}
+DATA_FILES = sorted((PACKAGE / "data").rglob("*.py"))
+
+
+def data_part(path: Path) -> str:
+    """A file's part of wdsdist/data: its subpackage, or its module's name at the top."""
+    rel = path.relative_to(PACKAGE / "data")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+@pytest.mark.parametrize("path", DATA_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_data_imports_nothing_of_wdsdist_but_itself_and_errors(path: Path) -> None:
+    wrong = sorted(
+        n
+        for n in imported_modules(path)
+        if n.startswith("wdsdist.") and not n.startswith(("wdsdist.data", "wdsdist.errors"))
+    )
+    assert wrong == [], f"{path.relative_to(ROOT)} imports {wrong}: data/ depends on nothing else of wdsdist"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in DATA_FILES if p.name != "__init__.py" or p.parent.name != "data"],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_data_parts_import_along_the_arrows(path: Path) -> None:
+    part = data_part(path)
+    allowed = DATA_ARROWS[part] | {part}
+    used = {
+        n.removeprefix("wdsdist.data.").split(".")[0] for n in imported_modules(path) if n.startswith("wdsdist.data.")
+    }
+    assert "wdsdist.data" not in imported_modules(path), f"{path.relative_to(ROOT)} imports the public API from inside"
+    assert sorted(used - allowed) == [], f"{path.relative_to(ROOT)} ({part}) imports {sorted(used - allowed)}"
+
+
+def test_every_data_part_has_its_arrows() -> None:
+    """A new subpackage or top module must say what it may import (and the arrows stay acyclic)."""
+    assert {data_part(p) for p in DATA_FILES if p.parent != PACKAGE / "data" or p.name != "__init__.py"} == set(
+        DATA_ARROWS
+    )
+    assert not _circles({part: arrows for part, arrows in DATA_ARROWS.items()})
+
+
+IO_MODULES = ("os", "io", "socket", "urllib", "http", "tarfile", "subprocess", "shutil", "boto3", "torch.utils.data")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "data" / "plan").glob("*.py")), ids=lambda p: p.name)
+def test_planning_does_no_io(path: Path) -> None:
+    found = sorted(n for n in imported_modules(path) if n.split(".")[0] in IO_MODULES or n.startswith(IO_MODULES))
+    assert found == [], f"{path.relative_to(ROOT)} imports {found}: planning is arithmetic on counts and seeds"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one node (Tarjan), or a node that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1 or node in graph.get(node, ()):
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circles_in_the_package() -> None:
+    """Every import counts, also one inside a function or under TYPE_CHECKING: each hides a circle
+    rather than removing it. A package's __init__ is left out as a target, since `from pkg import
+    mod` names the package only to reach the module."""
+    files = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in files}
+    packages = {module_name(p) for p in files if p.name == "__init__.py"}
+    graph = {
+        module_name(p): {n for n in imported_modules(p) if n in modules and n not in packages} - {module_name(p)}
+        for p in files
+    }
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def private_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """Names starting with one underscore that a file takes from another wdsdist module: by
+    ``from wdsdist.x import _name``, or as ``mod._name`` of a module or name it imported."""
+    tree = ast.parse(path.read_text(), str(path))
+    found, bound = [], set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("wdsdist")
+            or (isinstance(node, ast.ImportFrom) and node.level)
+        ):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.module}.{alias.name}")
+                bound.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("wdsdist"))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_uses_another_modules_private_names(path: Path) -> None:
+    assert private_uses(path) == [], f"{path.relative_to(ROOT)} uses private names of other modules"
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from wdsdist.data.sources.httpopen import _Meter\nfrom wdsdist.data.sources import s3open\ns3open._client()\n"
+    )
+    assert private_uses(probe, tmp_path) == ["s3open._client", "wdsdist.data.sources.httpopen._Meter"]
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "train").rglob("*.py")), ids=lambda p: p.name)

@@ -11,8 +11,8 @@ from PIL import Image
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script
 from tests.helpers.shards import CLASSES, make_image_folder
-from wdsdist.data import shardspec
-from wdsdist.data.index import read_index
+from wdsdist.data.sources import shardspec
+from wdsdist.data.sources.index import read_index
 from wdsdist.errors import UserError
 from wdsdist.tools import synthetic
 from wdsdist.tools.shards import (

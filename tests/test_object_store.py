@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import cfg, keys_and_bad
 from tests.helpers.training import free_port, overrides, torchrun
-from wdsdist.data import httpopen, s3open, shardspec
-from wdsdist.data.pipeline import make_eval_loader
+from wdsdist.data.delivery.pipeline import make_eval_loader
+from wdsdist.data.sources import httpopen, s3open, shardspec
 from wdsdist.errors import DataError, UserError
 
 BUCKET = "wds-test"
@@ -446,7 +446,7 @@ def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
 
     index = tiny_shards([3])
     code = (
-        "import sys; from wdsdist.data import shardspec, tarread; "
+        "import sys; from wdsdist.data.sources import shardspec; from wdsdist.data.tar import tarread; "
         f"shardspec.expand({str(index)!r}); print('boto3' in sys.modules, 'botocore' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

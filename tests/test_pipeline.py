@@ -11,13 +11,13 @@ import webdataset as wds
 from PIL import Image
 
 from tests.conftest import jpeg
-from wdsdist.data import shardspec
+from wdsdist.data.delivery.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
+from wdsdist.data.delivery.stream import _primed
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import shard_order
-from wdsdist.data.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
-from wdsdist.data.resume import ResumePoint
-from wdsdist.data.splits import plan
-from wdsdist.data.stream import _primed
+from wdsdist.data.plan.order import shard_order
+from wdsdist.data.plan.resume import ResumePoint
+from wdsdist.data.plan.splits import plan
+from wdsdist.data.sources import shardspec
 from wdsdist.errors import DataError, UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose

@@ -16,11 +16,12 @@ import torch
 import webdataset as wds
 
 from tests.helpers.shards import warm_shards
-from wdsdist.data import lateread, tarread, workers
-from wdsdist.data.lateread import Late, read_late
+from wdsdist.data.delivery import workers
+from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import make_loader
-from wdsdist.data.tarread import tar_samples
+from wdsdist.data.tar import lateread, tarread
+from wdsdist.data.tar.lateread import Late, read_late
+from wdsdist.data.tar.tarread import tar_samples
 from wdsdist.errors import DataError
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT, run_script, write_tiny_shards
 from tests.helpers.training import free_port, overrides
-from wdsdist.data.index import write_index
+from wdsdist.data.sources.index import write_index
 
 pytestmark = pytest.mark.slow  # real training processes
 

@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from wdsdist.data import shardspec
+from wdsdist.data.delivery.pipeline import RankLoader, check_layout, counted_shards, make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import shard_order
-from wdsdist.data.pipeline import RankLoader, check_layout, counted_shards, make_loader
-from wdsdist.data.splits import plan_samples, sample_span, span_pieces
+from wdsdist.data.plan.order import shard_order
+from wdsdist.data.plan.splits import plan_samples, sample_span, span_pieces
+from wdsdist.data.sources import shardspec
 from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 5, 11, 9, 6, 12]  # 63 samples, uneven on purpose

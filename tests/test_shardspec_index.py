@@ -7,8 +7,8 @@ import tarfile
 import pytest
 
 from tests.conftest import one_error_line, run_script
-from wdsdist.data import shardspec
-from wdsdist.data.index import INDEX_KIND, count_samples, read_index
+from wdsdist.data.sources import shardspec
+from wdsdist.data.sources.index import INDEX_KIND, count_samples, read_index
 from wdsdist.errors import UserError
 
 

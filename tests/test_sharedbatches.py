@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from wdsdist.data import shardspec
-from wdsdist.data.batches import collate, collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.delivery.batches import collate, collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.delivery.pipeline import make_loader
+from wdsdist.data.delivery.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import make_loader
-from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data.sources import shardspec
 
 
 def images(value: int, n: int = 3) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from wdsdist.data.splits import plan
+from wdsdist.data.plan.splits import plan
 from wdsdist.errors import UserError
 from wdsdist.tools import simdist
 

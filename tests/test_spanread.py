@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.loading import Quiet
-from wdsdist.data import opener
-from wdsdist.data.index import offsets_entry
-from wdsdist.data.lateread import Late, read_late
-from wdsdist.data.opener import Access
-from wdsdist.data.shardspec import SampleOffsets, Shard, _offsets
-from wdsdist.data.spanread import read_span
-from wdsdist.data.tarread import Oversized, sample_offsets, tar_samples
+from wdsdist.data.sources import opener
+from wdsdist.data.sources.index import offsets_entry
+from wdsdist.data.sources.opener import Access
+from wdsdist.data.sources.shardspec import SampleOffsets, Shard, _offsets
+from wdsdist.data.sources.spanread import read_span
+from wdsdist.data.tar.lateread import Late, read_late
+from wdsdist.data.tar.tarread import Oversized, sample_offsets, tar_samples
 
 ACCESS = Access(http_timeout=10)
 BIG = 70_000  # above tarread's 64 KiB seek threshold

@@ -2,7 +2,14 @@
 
 import pytest
 
-from wdsdist.data.splits import nbatches_of, nearest_divisible, plan, split_by_rank, split_by_worker, suggest_dsrepeat
+from wdsdist.data.plan.splits import (
+    nbatches_of,
+    nearest_divisible,
+    plan,
+    split_by_rank,
+    split_by_worker,
+    suggest_dsrepeat,
+)
 
 
 def test_split_by_rank_and_worker_partition_the_list():

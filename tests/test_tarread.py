@@ -10,7 +10,7 @@ import pytest
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from tests.helpers.shards import pax_record, raw_member
-from wdsdist.data.tarread import Oversized, tar_samples
+from wdsdist.data.tar.tarread import Oversized, tar_samples
 
 LONG = "d" * 60 + "/" + "e" * 70  # over ustar's 100-character name field
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.training import load, torchrun
-from wdsdist.data.order import shard_order
-from wdsdist.data.splits import rank_batches
+from wdsdist.data.plan.order import shard_order
+from wdsdist.data.plan.splits import rank_batches
 
 pytestmark = pytest.mark.slow  # real training processes
 

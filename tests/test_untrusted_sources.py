@@ -16,8 +16,8 @@ from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import Quiet, cfg, keys_and_bad
 from tests.helpers.simdist import simdist as simdist_script
 from tests.helpers.training import overrides
-from wdsdist.data import shardspec
-from wdsdist.data.pipeline import make_eval_loader
+from wdsdist.data.delivery.pipeline import make_eval_loader
+from wdsdist.data.sources import shardspec
 from wdsdist.errors import DataError, UserError
 
 DRIP_INTERVAL = 0.02  # seconds between the bytes a dripping server sends

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.helpers.shards import warm_shards
-from wdsdist.data import jpegcrop
+from wdsdist.data.decode import jpegcrop
+from wdsdist.data.delivery.pipeline import make_loader
+from wdsdist.data.delivery.warmstart import WarmStart
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.pipeline import make_loader
-from wdsdist.data.warmstart import WarmStart
 from wdsdist.errors import DataError
 
 needs_lib = pytest.mark.skipif(isinstance(jpegcrop.load(), str), reason="jpegcrop cannot be built here")

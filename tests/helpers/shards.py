@@ -11,7 +11,7 @@ import webdataset as wds
 from PIL import Image
 
 from tests.conftest import jpeg
-from wdsdist.data.index import index_path, write_index
+from wdsdist.data.sources.index import index_path, write_index
 
 CLASSES = ["n01440764", "n01443537", "n09999999"]
 

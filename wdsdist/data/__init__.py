@@ -20,17 +20,17 @@ _EXPORTS = {
     "Loader": ("wdsdist.data.loader", "Loader"),
     "LoaderConfig": ("wdsdist.data.options", "LoaderConfig"),
     "LoaderMode": ("wdsdist.data.options", "LoaderMode"),
-    "Plan": ("wdsdist.data.splits", "Plan"),
+    "Plan": ("wdsdist.data.plan.splits", "Plan"),
     "Remainder": ("wdsdist.data.options", "Remainder"),
     "SampleOptions": ("wdsdist.data.options", "SampleOptions"),
-    "Shard": ("wdsdist.data.shardspec", "Shard"),
+    "Shard": ("wdsdist.data.sources.shardspec", "Shard"),
     "ShardSpec": ("wdsdist.data.loader", "ShardSpec"),
     "Split": ("wdsdist.data.options", "Split"),
     "StreamOptions": ("wdsdist.data.options", "StreamOptions"),
     "Transform": ("wdsdist.data.loader", "Transform"),
     "UserError": ("wdsdist.errors", "UserError"),
     "dist_layout": ("wdsdist.data.loader", "dist_layout"),
-    "expand_shards": ("wdsdist.data.pipeline", "resolve_shards"),
+    "expand_shards": ("wdsdist.data.delivery.pipeline", "resolve_shards"),
     "option_problems": ("wdsdist.data.options", "option_problems"),
 }
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from wdsdist.data.delivery.pipeline import resolve_shards as expand_shards
     from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
     from wdsdist.data.options import (
         LoaderConfig,
@@ -64,9 +65,8 @@ if TYPE_CHECKING:
         StreamOptions,
         option_problems,
     )
-    from wdsdist.data.pipeline import resolve_shards as expand_shards
-    from wdsdist.data.shardspec import Shard
-    from wdsdist.data.splits import Plan
+    from wdsdist.data.plan.splits import Plan
+    from wdsdist.data.sources.shardspec import Shard
     from wdsdist.errors import DataError, UserError
 
 

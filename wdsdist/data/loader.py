@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from wdsdist.data.elastic import Resize, rank_state
+from wdsdist.data.delivery.pipeline import RankLoader, check_layout, counted_shards, make_eval_loader, resolve_shards
 from wdsdist.data.options import LoaderConfig, LoaderMode
-from wdsdist.data.pipeline import RankLoader, check_layout, counted_shards, make_eval_loader, resolve_shards
-from wdsdist.data.shardspec import Shard
-from wdsdist.data.splits import Plan
+from wdsdist.data.plan.elastic import Resize, rank_state
+from wdsdist.data.plan.splits import Plan
+from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
 
 STATE_FORMAT = "wdsdist-loader-v1"

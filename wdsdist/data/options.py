@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
-from wdsdist.data import httpopen, opener
+from wdsdist.data.sources import httpopen, opener
 from wdsdist.errors import UserError
 
 

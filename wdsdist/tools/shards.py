@@ -29,7 +29,7 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
-from wdsdist.data.index import (
+from wdsdist.data.sources.index import (
     OFFSET_EVERY,
     create_new,
     index_bytes,

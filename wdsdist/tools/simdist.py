@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from wdsdist.data.shardspec import Access
+from wdsdist.data.sources.shardspec import Access
 from wdsdist.tools.simdist_layouts import (
     DEFAULT_NSHARDS,
     DEFAULT_SAMPLES,

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wdsdist.data import shardspec
-from wdsdist.data.shardspec import Access, Shard
+from wdsdist.data.sources import shardspec
+from wdsdist.data.sources.shardspec import Access, Shard
 from wdsdist.errors import UserError
 
 DEFAULT_NSHARDS = 10
@@ -95,7 +95,7 @@ def spec_layout(
                 f"(makeshards.py --index), or describe the layout with --nshards and --samples-per-shard"
             )
         shardspec.refuse_pipes(unknown, access)
-        from wdsdist.data.index import count_samples  # imports torch: only when counting
+        from wdsdist.data.sources.index import count_samples  # imports torch: only when counting
 
         try:
             counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
@@ -113,7 +113,7 @@ def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> La
             f"real mode would write and read {layout.total} samples (more than {REAL_MODE_MAX_SAMPLES}): "
             f"use --plan for a layout this big"
         )
-    from wdsdist.data.index import index_path
+    from wdsdist.data.sources.index import index_path
 
     outdir = os.path.join(cache, name)
     index = index_path(outdir, "simdist")
@@ -131,7 +131,7 @@ def synthetic_layout(layout: Layout, cache: str, name: str, seed: int = 0) -> La
 
 def write_synthetic_shards(counts: Sequence[int], outdir: str, prefix: str, *, seed: int = 0) -> str:
     """Shards of exactly ``counts`` synthetic samples (tiny images, unique keys), and their index."""
-    from wdsdist.data.index import index_path
+    from wdsdist.data.sources.index import index_path
     from wdsdist.tools import synthetic
     from wdsdist.tools.shards import Sample, ShardSink
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from wdsdist.data.splits import Plan
+from wdsdist.data.plan.splits import Plan
 from wdsdist.tools.simdist_simulate import RankEpoch, Simulation
 from wdsdist.tools.simdist_text import describe_counts, verdict
 

@@ -21,7 +21,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from wdsdist.data.resume import (
+from wdsdist.data.plan.resume import (
     merge_ranges,
     ranges_cumulative,
     ranges_length,
@@ -30,8 +30,8 @@ from wdsdist.data.resume import (
     virtual_to_real,
     whole_epoch,
 )
-from wdsdist.data.shardspec import Access
-from wdsdist.data.splits import rank_batches, sample_span
+from wdsdist.data.plan.splits import rank_batches, sample_span
+from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
 from wdsdist.tools.simdist_layouts import IMAGE_SIZE
 from wdsdist.tools.simdist_simulate import RankEpoch, Simulation, counted_shards, real_config
@@ -111,7 +111,7 @@ def simulate_resize_real(
 ) -> Resize:
     """The resize with the training loader: old ranks' loaders for ``at`` batches, then the new
     layout's loaders resumed from their states, one rank after another; coverage by keys."""
-    from wdsdist.data.pipeline import RankLoader, check_layout
+    from wdsdist.data.delivery.pipeline import RankLoader, check_layout
     from wdsdist.errors import DataError
 
     _check(sim, at)

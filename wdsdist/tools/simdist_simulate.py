@@ -11,14 +11,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from wdsdist.data.options import parse_nbatches
-from wdsdist.data.shardspec import Access
-from wdsdist.data.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
+from wdsdist.data.plan.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
+from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
 from wdsdist.tools.simdist_layouts import IMAGE_SIZE, Layout
 
 if TYPE_CHECKING:
     from wdsdist.data.options import LoaderConfig
-    from wdsdist.data.shardspec import Shard
+    from wdsdist.data.sources.shardspec import Shard
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def simulate_real(
     sim: Simulation, *, showopen: bool = False, image_size: int = IMAGE_SIZE, access: Access | None = None
 ) -> RealRun:
     """Run every simulated rank's training loader (real DataLoader workers), one rank after another."""
-    from wdsdist.data.pipeline import RankLoader
+    from wdsdist.data.delivery.pipeline import RankLoader
     from wdsdist.errors import DataError
 
     settings = sim.settings

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from wdsdist.data.splits import nearest_divisible, suggest_dsrepeat
+from wdsdist.data.plan.splits import nearest_divisible, suggest_dsrepeat
 from wdsdist.tools.simdist_simulate import (
     Coverage,
     RankEpoch,

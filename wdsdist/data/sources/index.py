@@ -11,7 +11,8 @@ from typing import Any, BinaryIO
 
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data import opener, s3open, tarread
+from wdsdist.data.sources import opener, s3open
+from wdsdist.data.tar import tarread
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"

@@ -14,9 +14,9 @@ from __future__ import annotations
 import tarfile
 from collections.abc import Iterator
 
-from wdsdist.data.opener import Access, open_shard
-from wdsdist.data.shardspec import Shard
-from wdsdist.data.tarread import tar_samples
+from wdsdist.data.sources.opener import Access, open_shard
+from wdsdist.data.sources.shardspec import Shard
+from wdsdist.data.tar.tarread import tar_samples
 
 
 def read_span(

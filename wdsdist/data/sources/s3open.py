@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from wdsdist.data.httpopen import DEFAULT_MIN_RATE, Meter
+from wdsdist.data.sources.httpopen import DEFAULT_MIN_RATE, Meter
 
 SCHEMES = ("s3", "gs")
 GCS_ENDPOINT = "https://storage.googleapis.com"

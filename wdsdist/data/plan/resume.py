@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from wdsdist.data.splits import rank_batches, sample_span, span_pieces
+from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces
 
 if TYPE_CHECKING:
     import torch

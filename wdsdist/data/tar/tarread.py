@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from webdataset.tariterators import base_plus_ext
 
-from wdsdist.data.lateread import ADVISE, AHEAD, LATE_MIN, Late, LateFile, late_file
+from wdsdist.data.tar.lateread import ADVISE, AHEAD, LATE_MIN, Late, LateFile, late_file
 
 BLOCK = 512
 _CHUNK = 1 << 20  # bytes per read when skipping a member of a stream that cannot seek

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import braceexpand
 
-from wdsdist.data import httpopen, s3open
-from wdsdist.data.opener import Access, is_http, is_remote, read_capped
-from wdsdist.data.tarread import is_tar_header
+from wdsdist.data.sources import httpopen, s3open
+from wdsdist.data.sources.opener import Access, is_http, is_remote, read_capped
+from wdsdist.data.tar.tarread import is_tar_header
 from wdsdist.errors import UserError
 
 MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import iter_shuffled_offsets
-from wdsdist.data.resume import (
+from wdsdist.data.plan.order import iter_shuffled_offsets
+from wdsdist.data.plan.resume import (
     Ranges,
     ResumePoint,
     ranges_length,
@@ -25,7 +25,7 @@ from wdsdist.data.resume import (
     saved_progress,
     whole_epoch,
 )
-from wdsdist.data.splits import rank_batches
+from wdsdist.data.plan.splits import rank_batches
 from wdsdist.errors import UserError
 
 # What a loader state must hold for a re-split (RankLoader.state_dict writes them).

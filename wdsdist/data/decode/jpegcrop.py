@@ -53,7 +53,7 @@ def build_dir() -> Path:
     checkout around it: site-packages is no place to build in), the user's cache folder."""
     if os.environ.get("WDSDIST_BUILD"):
         return Path(os.environ["WDSDIST_BUILD"])
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() or (root / ".git").exists():
         return root / ".build"
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

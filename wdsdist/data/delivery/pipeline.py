@@ -51,17 +51,18 @@ from dataclasses import replace
 import torch
 import webdataset as wds
 
-from wdsdist.data import jpegcrop, opener, shardspec
-from wdsdist.data.batches import collate_samples, finish_batches, unbatch_samples
-from wdsdist.data.elastic import SHARED, Resize, counts_digest, resize_state
-from wdsdist.data.index import count_samples
+from wdsdist.data.decode import jpegcrop
+from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.delivery.sharedbatches import SharedBatches
+from wdsdist.data.delivery.stream import ShardStream
+from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig, Split
-from wdsdist.data.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
-from wdsdist.data.shardspec import Shard
-from wdsdist.data.sharedbatches import SharedBatches
-from wdsdist.data.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
-from wdsdist.data.stream import ShardStream
-from wdsdist.data.workers import worker_init
+from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
+from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
+from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
+from wdsdist.data.sources import opener, shardspec
+from wdsdist.data.sources.index import count_samples
+from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
 
 # ---------------------------------------------------------------- the rank's loader

@@ -18,10 +18,10 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from wdsdist.data import jpegcrop
-from wdsdist.data.jpegcrop import CropDecoder, JpegError
+from wdsdist.data.decode import jpegcrop
+from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.tarread import Oversized
+from wdsdist.data.tar.tarread import Oversized
 from wdsdist.errors import DataError
 
 # torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; they remain the

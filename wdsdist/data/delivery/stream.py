@@ -22,21 +22,21 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wdsdist.data.batches import collate
-from wdsdist.data.decode import make_transform, prepare_sample
-from wdsdist.data.jpegcrop import crop_decoder
-from wdsdist.data.lateread import read_late
-from wdsdist.data.opener import open_shard
+from wdsdist.data.decode.jpegcrop import crop_decoder
+from wdsdist.data.decode.sample import make_transform, prepare_sample
+from wdsdist.data.delivery.batches import collate
+from wdsdist.data.delivery.sharedbatches import SharedBatches
+from wdsdist.data.delivery.warmstart import WarmStart, threads_for
+from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.order import shard_order
-from wdsdist.data.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
-from wdsdist.data.shardspec import Shard
-from wdsdist.data.sharedbatches import SharedBatches
-from wdsdist.data.spanread import read_span
-from wdsdist.data.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
-from wdsdist.data.tarread import tar_samples
-from wdsdist.data.warmstart import WarmStart, threads_for
-from wdsdist.data.workers import pin_malloc_threshold, warn_skip
+from wdsdist.data.plan.order import shard_order
+from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
+from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
+from wdsdist.data.sources.opener import open_shard
+from wdsdist.data.sources.shardspec import Shard
+from wdsdist.data.sources.spanread import read_span
+from wdsdist.data.tar.lateread import read_late
+from wdsdist.data.tar.tarread import tar_samples
 from wdsdist.errors import DataError
 
 T = TypeVar("T")

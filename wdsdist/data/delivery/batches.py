@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from wdsdist.data.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data.delivery.sharedbatches import SharedBatches, plain_copy, plain_stack
 
 
 def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int = 0) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import webdataset as wds
 
-from wdsdist.data import httpopen, s3open
-from wdsdist.data.tarread import skip_bytes
+from wdsdist.data.sources import httpopen, s3open
+from wdsdist.data.tar.tarread import skip_bytes
 from wdsdist.errors import DataError
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://", "ais://", "hf://")
