@@ -154,7 +154,7 @@ timed() {  # timed NAME CMD...: step, then one line with the command and its tim
   say "$* ($((SECONDS - t)) s)"
 }
 timed train ./run docker train.py trainer.steps=20 "run_dir=$out/train"
-# Not the bare defaults: they show unequal ranks and exit 1 on purpose (README: "The defaults fail").
+# Not the bare defaults: they show unequal ranks and exit 1 on purpose (docs/simdist.md: "The defaults fail").
 timed simdist ./run docker simdist.py --nbatches auto
 timed makeshards ./run docker makeshards.py --synthetic 300 --shards "$data" --prefix check
 timed torchrun ./run docker torchrun --nproc-per-node 2 train.py trainer.steps=10 "run_dir=$out/ddp"

@@ -87,7 +87,7 @@ def test_a_gpu_the_wheel_has_no_kernels_for_is_one_line(capability, archs, runs)
     else:
         assert why == (
             f"compute capability {capability[0]}.{capability[1]} is not among torch 2.14.1+cu130's kernels "
-            f"({' '.join(archs)}): install a torch build for this GPU (see README: GPUs and drivers)"
+            f"({' '.join(archs)}): install a torch build for this GPU (see docs/deploy.md: GPUs and drivers)"
         )
 
 

@@ -147,7 +147,10 @@ def cuda_unusable(driver_text: str | None, cuda: str | None, torch_version: str)
     no driver) and the CUDA version the build was made for (None: a CPU-only build)."""
     fix = "or set trainer.device=cpu to train on the CPU"
     if cuda is None:
-        return f"torch {torch_version} is a CPU-only build: install a CUDA build (see README: GPUs and drivers), {fix}"
+        return (
+            f"torch {torch_version} is a CPU-only build: install a CUDA build (see docs/deploy.md: GPUs and drivers), "
+            f"{fix}"
+        )
     if driver_text is None:
         return f"CUDA is not available: no NVIDIA driver is loaded (/proc/driver/nvidia/version is missing); {fix}"
     have = driver_version(driver_text)
@@ -155,7 +158,7 @@ def cuda_unusable(driver_text: str | None, cuda: str | None, torch_version: str)
     if have is not None and need is not None and _numbers(have) < _numbers(need):
         return (
             f"the NVIDIA driver is {have} but torch {torch_version} (CUDA {cuda}) needs driver >= "
-            f"{need}: update the driver, install a torch build for an older CUDA (see README: GPUs and "
+            f"{need}: update the driver, install a torch build for an older CUDA (see docs/deploy.md: GPUs and "
             f"drivers), {fix}"
         )
     shown = have or "of unknown version"
@@ -184,7 +187,7 @@ def arch_unsupported(capability: tuple[int, int], arch_list: list[str], torch_ve
             return None
     return (
         f"compute capability {major}.{minor} is not among torch {torch_version}'s kernels "
-        f"({' '.join(arch_list) or 'none'}): install a torch build for this GPU (see README: GPUs and drivers)"
+        f"({' '.join(arch_list) or 'none'}): install a torch build for this GPU (see docs/deploy.md: GPUs and drivers)"
     )
 
 
