@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wdsdist import simdist
 from wdsdist.data.options import parse_nbatches
 from wdsdist.errors import CliParser, UserError, integer, run_cli
-from wdsdist.tools import simdist
 
 
 def nbatches(text: str) -> int | str | None:

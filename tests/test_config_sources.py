@@ -13,11 +13,11 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers.config import compose_config
+from wdsdist import simdist
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig, SampleOptions, StreamOptions, parse_nbatches
 from wdsdist.data.plan.splits import plan
 from wdsdist.errors import UserError
-from wdsdist.tools import simdist
 from wdsdist.train import config
 from wdsdist.train.trainer import loader_config
 

@@ -195,7 +195,7 @@ def test_real_mode_needs_the_files_an_index_lists(tmp_path):
 def test_real_mode_bad_sample_is_one_line(tmp_path):
     import webdataset as wds
 
-    from wdsdist.tools.simdist import write_synthetic_shards
+    from wdsdist.simdist import write_synthetic_shards
 
     write_synthetic_shards([4, 4, 4], str(tmp_path), "s")
     with wds.TarWriter(str(tmp_path / "s-000003.tar")) as sink:

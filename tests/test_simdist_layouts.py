@@ -11,9 +11,9 @@ import random
 
 import pytest
 
+from wdsdist import simdist
 from wdsdist.data.plan.splits import plan
 from wdsdist.data.sources.shardspec import expand
-from wdsdist.tools import simdist
 
 COUNTS = [7, 19, 3, 25, 12, 1, 16, 9, 22, 5, 14, 11]
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from wdsdist import simdist
 from wdsdist.data.plan.splits import plan
 from wdsdist.errors import UserError
-from wdsdist.tools import simdist
 
 S = simdist.Settings
 

@@ -1,1 +1,1 @@
-"""Tools around the loader: simdist, shard writing, the synthetic data set."""
+"""Tools around the loader: shard writing, the synthetic data set, output folders."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from wdsdist.data.plan.splits import nearest_divisible, suggest_dsrepeat
-from wdsdist.tools.simdist_simulate import (
+from wdsdist.simdist.simulate import (
     Coverage,
     RankEpoch,
     RealRun,

@@ -33,9 +33,9 @@ from wdsdist.data.plan.resume import (
 from wdsdist.data.plan.splits import rank_batches, sample_span
 from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
-from wdsdist.tools.simdist_layouts import IMAGE_SIZE
-from wdsdist.tools.simdist_simulate import RankEpoch, Simulation, counted_shards, real_config
-from wdsdist.tools.simdist_text import percent, rank_lines
+from wdsdist.simdist.layouts import IMAGE_SIZE
+from wdsdist.simdist.simulate import RankEpoch, Simulation, counted_shards, real_config
+from wdsdist.simdist.text import percent, rank_lines
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,15 @@ the rank ``dsrepeat`` times inside its workers), cut at ``nbatches`` batches whe
 given. Splitting and planning are not reimplemented here: ranks and workers come from
 ``splits.plan``, advice from ``splits.suggest_dsrepeat`` and ``splits.nearest_divisible``.
 
-This module is simdist's public face: every name a caller needs, and ``report``, which prints
-the whole report. The pieces live beside it, each importing only those before it:
-  simdist_layouts   the data: per-shard counts, described or from a spec; synthetic shards
-  simdist_simulate  the job's settings; what each rank delivers, planned or run for real
-  simdist_text      the report's lines: parameters, splits, ranks, verdict, coverage, advice
-  simdist_plot      the picture
+This package's ``__init__`` is simdist's public face: every name a caller needs, and ``report``,
+which prints the whole report. The pieces are its modules, each importing only those before it:
+  layouts   the data: per-shard counts, described or from a spec; synthetic shards
+  simulate  the job's settings; what each rank delivers, planned or run for real
+  text      the report's lines: parameters, splits, ranks, verdict, coverage, advice
+  plot      the picture
+  resize    --resize-at: a checkpoint and an elastic resume on another layout, planned or run
+Of wdsdist it imports ``wdsdist.data``, ``wdsdist.errors``, and (to write synthetic shards for
+real mode) ``wdsdist.tools.shards`` and ``wdsdist.tools.synthetic``; nothing of ``wdsdist.train``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 from typing import TextIO
 
 from wdsdist.data.sources.shardspec import Access
-from wdsdist.tools.simdist_layouts import (
+from wdsdist.simdist.layouts import (
     DEFAULT_NSHARDS,
     DEFAULT_SAMPLES,
     IMAGE_SIZE,
@@ -41,9 +44,9 @@ from wdsdist.tools.simdist_layouts import (
     synthetic_layout,
     write_synthetic_shards,
 )
-from wdsdist.tools.simdist_plot import plot
-from wdsdist.tools.simdist_resize import Resize, resize_lines, resize_verdict, simulate_resize, simulate_resize_real
-from wdsdist.tools.simdist_simulate import (
+from wdsdist.simdist.plot import plot
+from wdsdist.simdist.resize import Resize, resize_lines, resize_verdict, simulate_resize, simulate_resize_real
+from wdsdist.simdist.simulate import (
     Coverage,
     RankEpoch,
     RealRun,
@@ -55,7 +58,7 @@ from wdsdist.tools.simdist_simulate import (
     simulate_plan,
     simulate_real,
 )
-from wdsdist.tools.simdist_text import (
+from wdsdist.simdist.text import (
     SHOWN_RANKS,
     advice,
     balance_line,

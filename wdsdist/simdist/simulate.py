@@ -14,7 +14,7 @@ from wdsdist.data.options import parse_nbatches
 from wdsdist.data.plan.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
 from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
-from wdsdist.tools.simdist_layouts import IMAGE_SIZE, Layout
+from wdsdist.simdist.layouts import IMAGE_SIZE, Layout
 
 if TYPE_CHECKING:
     from wdsdist.data.options import LoaderConfig

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from wdsdist.data.plan.splits import Plan
-from wdsdist.tools.simdist_simulate import RankEpoch, Simulation
-from wdsdist.tools.simdist_text import describe_counts, verdict
+from wdsdist.simdist.simulate import RankEpoch, Simulation
+from wdsdist.simdist.text import describe_counts, verdict
 
 PLOT_MAX_WORKERS = 16  # worker rows drawn per rank
 PLOT_EDGE_RANKS = 3  # big worlds: the first and last few ranks, plus the shortest and the longest
