@@ -1,12 +1,13 @@
 """What a run tells: rank 0's progress lines, train.log and TensorBoard, and the training metrics
-window every rank sums and all reduce at each log line."""
+window every rank sums and all reduce at each log line. It is handed what it prints (lines,
+scalars, the loader's plan, the summary); what reads a ``Run`` lives beside it, in run.py."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,6 @@ from wdsdist.train.distributed import Dist
 
 if TYPE_CHECKING:
     from wdsdist.data import Plan
-    from wdsdist.train.trainer import Run
 
 
 class Reporter:
@@ -202,57 +202,7 @@ class Window:
 
 
 # ---------------------------------------------------------------- the start and the end of a run
-
-
-def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None:
-    """The start-up lines: what runs where, from which checkpoint, and the loader's plan."""
-    cfg, dist, report = run.cfg, run.dist, run.report
-    restarts = distributed.restart_count()
-    for warning in resume_warnings:
-        report.line(warning, console=False)
-    if stale:
-        report.line(f"removed {len(stale)} file(s) a killed writer left: {', '.join(stale)}", console=False)
-    report.line(
-        f"run dir {run.run_dir}: {cfg.model.name} on {dist.world} x {dist.device.type}, {run.steps} steps of "
-        f"{cfg.trainer.batch_size} per rank (global {cfg.trainer.batch_size * dist.world}), lr {run.base_lr:.4g}, "
-        f"loader.mode={cfg.loader.mode.value}"
-        + (f", restart {restarts} of torchrun" if restarts else "")
-        + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
-    )
-    if run.on_device.amp_note:
-        report.line(run.on_device.amp_note)
-    if cfg.trainer.resume == "auto" and run.resume_path is None:
-        report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
-    resize = run.feed.loader.resize
-    if resize is not None:  # an elastic resume: what became of the interrupted epoch
-        report.line(f"{resize.line()}; {run.steps} steps in all now (the learning rate schedule follows them)")
-    plan = run.feed.loader.plan
-    if plan is not None and plan.split == "samples":
-        report.line(plan_line(plan), console=False)
-        # The padding (or drop) is the same every epoch; one point per epoch, so it sits beside the curves.
-        per_epoch = plan.batches[0]
-        starts: Iterable[int] = ()
-        if resize is not None and per_epoch:
-            # A re-split epoch has its own padding (or drop), and the whole ones start after it.
-            step = run.start
-            for _, remaining, batches in resize.epochs:
-                rest = batches * resize.world * resize.batch_size - remaining
-                report.scalars(step, {"data/padded_samples": max(rest, 0), "data/dropped_samples": max(-rest, 0)})
-                step += batches
-            starts = range(step, run.steps, per_epoch)
-        elif per_epoch:
-            starts = (epoch * per_epoch for epoch in range(run.start // per_epoch, -(-run.steps // per_epoch)))
-        for step in starts:
-            report.scalars(step, {"data/padded_samples": plan.padded, "data/dropped_samples": plan.dropped})
-    elif plan is not None:
-        report.line(
-            f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "
-            f"workers; batches per rank per pass {plan.min_available}..{plan.max_available}"
-            + (f", cut to {plan.nbatches}" if plan.nbatches is not None else ""),
-            console=False,
-        )
-    if run.steps > run.start:
-        report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+# (run.py reads the Run and hands the lines here; these format what they are given)
 
 
 def plan_line(plan: Plan) -> str:
@@ -269,47 +219,6 @@ def plan_line(plan: Plan) -> str:
         f"workers, split=samples: {plan.ranks[0].available} batches of {plan.batch_size} per rank per epoch "
         f"({delivered} samples), {rest}" + (f"; cut to {plan.nbatches}" if plan.nbatches is not None else "")
     )
-
-
-def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
-    """summary.json. The last step always ends a metrics window, so the window's totals are the run's."""
-    totals, last_eval = run.window.totals, run.evaluator.result or {}
-    return {
-        "run_dir": run.run_dir,
-        "world": run.dist.world,
-        "steps": step,
-        "resumed_from_step": run.start if run.resume_path else None,
-        "seconds": round(time.perf_counter() - run.started, 2),
-        "samples_per_s": totals.samples / totals.seconds if totals.seconds else None,
-        "data_wait": totals.wait / totals.seconds if totals.seconds else None,
-        "val_top1": last_eval.get("top1"),
-        "val_loss": last_eval.get("loss"),
-        "val_samples": last_eval.get("samples"),
-        "val_class_samples": last_eval.get("class_samples"),
-        "skipped_samples": totals.bad_samples,
-        "skipped_shards": len(totals.failed_shards),  # distinct shards
-        "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
-        "rank_steps": [s for s, _ in fingerprints],
-        "rank_params": [f for _, f in fingerprints],
-        "checkpoint": run.checkpointer.path,
-    }
-
-
-def hparams_of(run: Run) -> dict[str, Any]:
-    """The hyperparameters TensorBoard's HParams dashboard compares runs by."""
-    cfg = run.cfg
-    return {
-        "model": cfg.model.name,
-        "optim": cfg.optim.name.value,
-        "lr": run.base_lr,
-        "batch_size": cfg.trainer.batch_size,
-        "global_batch": cfg.trainer.batch_size * run.dist.world,
-        "world": run.dist.world,
-        "steps": run.steps,
-        "image_size": cfg.data.image_size,
-        "loader_mode": cfg.loader.mode.value,
-        "data": cfg.data.name,
-    }
 
 
 def done_line(summary: dict) -> str:

@@ -1,6 +1,6 @@
 """The training loop: DDP under torchrun, exact evaluation, TensorBoard, atomic checkpoints.
 
-``train(cfg)`` reads like torchvision's ``train_one_epoch``: ``setup()`` builds a ``Run`` (model,
+``train(cfg)`` reads like torchvision's ``train_one_epoch``: ``setup()`` builds a ``Run`` (run.py: model,
 optimizer, loaders, reporter, and the components that own their schedules: the evaluator's
 ``maybe_eval``, the checkpointer's ``maybe_save``, the metrics window's ``reduce``), the loop takes
 ``train_step`` after ``train_step``, and ``finish()`` writes the summary. Rank 0 prints, logs and
@@ -13,11 +13,9 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,8 +37,9 @@ from wdsdist.train.config import check
 from wdsdist.train.distributed import Dist, on_all_ranks
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed
-from wdsdist.train.model import build_optimizer, lr_at, seeded_model, wrap_ddp
-from wdsdist.train.report import Reporter, Window, done_line, hparams_of, report_start, summarize
+from wdsdist.train.model import build_optimizer, seeded_model, wrap_ddp
+from wdsdist.train.report import Reporter, Window, done_line
+from wdsdist.train.run import Run, hparams_of, report_start, summarize
 
 # ---------------------------------------------------------------- data
 
@@ -151,34 +150,6 @@ def epoch_steps(loader: Loader, epochs: int, done: int) -> int:
     if epoch >= epochs:
         return done
     return done + len(loader) - loader.batches_done + (epochs - epoch - 1) * (loader.batches_per_epoch or 0)
-
-
-@dataclass
-class Run:
-    """What ``setup()`` builds and the loop uses: one rank's part of a training run."""
-
-    cfg: DictConfig
-    dist: Dist
-    run_dir: str
-    started: float  # perf_counter() at the start of setup
-    stop: faults.StopRequest
-    watchdog: faults.Watchdog
-    model: nn.Module  # the model itself: checkpoints, evaluation, fingerprints
-    ddp_model: nn.Module  # what trains: DDP around the model, or the model on one rank
-    opt: torch.optim.Optimizer
-    base_lr: float  # optim.lr scaled to the global batch
-    steps: int
-    start: int  # the step resumed at, or 0
-    resume_path: str | None
-    on_device: OnDevice
-    report: Reporter
-    feed: Feed
-    window: Window
-    evaluator: Evaluator
-    checkpointer: Checkpointer
-
-    def lr_at(self, step: int) -> float:
-        return lr_at(step, self.base_lr, self.steps, self.cfg.optim.warmup)
 
 
 def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: faults.Watchdog) -> Run:

@@ -1,0 +1,145 @@
+"""One rank's part of a training run, as ``setup()`` builds it and the loop uses it, and what the
+run says about itself: the start-up lines, summary.json, the hyperparameters. These read ``Run``,
+so they live beside it; the reporter (report.py) is handed only what it prints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from wdsdist.train import distributed, faults
+from wdsdist.train.checkpoint import Checkpointer
+from wdsdist.train.distributed import Dist
+from wdsdist.train.evaluate import Evaluator, OnDevice
+from wdsdist.train.feed import Feed
+from wdsdist.train.model import lr_at
+from wdsdist.train.report import Reporter, Window, fmt_time, plan_line
+
+
+@dataclass
+class Run:
+    """What ``setup()`` builds and the loop uses: one rank's part of a training run."""
+
+    cfg: DictConfig
+    dist: Dist
+    run_dir: str
+    started: float  # perf_counter() at the start of setup
+    stop: faults.StopRequest
+    watchdog: faults.Watchdog
+    model: nn.Module  # the model itself: checkpoints, evaluation, fingerprints
+    ddp_model: nn.Module  # what trains: DDP around the model, or the model on one rank
+    opt: torch.optim.Optimizer
+    base_lr: float  # optim.lr scaled to the global batch
+    steps: int
+    start: int  # the step resumed at, or 0
+    resume_path: str | None
+    on_device: OnDevice
+    report: Reporter
+    feed: Feed
+    window: Window
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.base_lr, self.steps, self.cfg.optim.warmup)
+
+
+# ---------------------------------------------------------------- the start and the end of a run
+
+
+def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None:
+    """The start-up lines: what runs where, from which checkpoint, and the loader's plan."""
+    cfg, dist, report = run.cfg, run.dist, run.report
+    restarts = distributed.restart_count()
+    for warning in resume_warnings:
+        report.line(warning, console=False)
+    if stale:
+        report.line(f"removed {len(stale)} file(s) a killed writer left: {', '.join(stale)}", console=False)
+    report.line(
+        f"run dir {run.run_dir}: {cfg.model.name} on {dist.world} x {dist.device.type}, {run.steps} steps of "
+        f"{cfg.trainer.batch_size} per rank (global {cfg.trainer.batch_size * dist.world}), lr {run.base_lr:.4g}, "
+        f"loader.mode={cfg.loader.mode.value}"
+        + (f", restart {restarts} of torchrun" if restarts else "")
+        + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
+    )
+    if run.on_device.amp_note:
+        report.line(run.on_device.amp_note)
+    if cfg.trainer.resume == "auto" and run.resume_path is None:
+        report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
+    resize = run.feed.loader.resize
+    if resize is not None:  # an elastic resume: what became of the interrupted epoch
+        report.line(f"{resize.line()}; {run.steps} steps in all now (the learning rate schedule follows them)")
+    plan = run.feed.loader.plan
+    if plan is not None and plan.split == "samples":
+        report.line(plan_line(plan), console=False)
+        # The padding (or drop) is the same every epoch; one point per epoch, so it sits beside the curves.
+        per_epoch = plan.batches[0]
+        starts: Iterable[int] = ()
+        if resize is not None and per_epoch:
+            # A re-split epoch has its own padding (or drop), and the whole ones start after it.
+            step = run.start
+            for _, remaining, batches in resize.epochs:
+                rest = batches * resize.world * resize.batch_size - remaining
+                report.scalars(step, {"data/padded_samples": max(rest, 0), "data/dropped_samples": max(-rest, 0)})
+                step += batches
+            starts = range(step, run.steps, per_epoch)
+        elif per_epoch:
+            starts = (epoch * per_epoch for epoch in range(run.start // per_epoch, -(-run.steps // per_epoch)))
+        for step in starts:
+            report.scalars(step, {"data/padded_samples": plan.padded, "data/dropped_samples": plan.dropped})
+    elif plan is not None:
+        report.line(
+            f"plan: {plan.nshards} shards, {plan.total_samples} samples over {plan.world} ranks x {plan.nworkers} "
+            f"workers; batches per rank per pass {plan.min_available}..{plan.max_available}"
+            + (f", cut to {plan.nbatches}" if plan.nbatches is not None else ""),
+            console=False,
+        )
+    if run.steps > run.start:
+        report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+
+
+def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
+    """summary.json. The last step always ends a metrics window, so the window's totals are the run's."""
+    totals, last_eval = run.window.totals, run.evaluator.result or {}
+    return {
+        "run_dir": run.run_dir,
+        "world": run.dist.world,
+        "steps": step,
+        "resumed_from_step": run.start if run.resume_path else None,
+        "seconds": round(time.perf_counter() - run.started, 2),
+        "samples_per_s": totals.samples / totals.seconds if totals.seconds else None,
+        "data_wait": totals.wait / totals.seconds if totals.seconds else None,
+        "val_top1": last_eval.get("top1"),
+        "val_loss": last_eval.get("loss"),
+        "val_samples": last_eval.get("samples"),
+        "val_class_samples": last_eval.get("class_samples"),
+        "skipped_samples": totals.bad_samples,
+        "skipped_shards": len(totals.failed_shards),  # distinct shards
+        "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
+        "rank_steps": [s for s, _ in fingerprints],
+        "rank_params": [f for _, f in fingerprints],
+        "checkpoint": run.checkpointer.path,
+    }
+
+
+def hparams_of(run: Run) -> dict[str, Any]:
+    """The hyperparameters TensorBoard's HParams dashboard compares runs by."""
+    cfg = run.cfg
+    return {
+        "model": cfg.model.name,
+        "optim": cfg.optim.name.value,
+        "lr": run.base_lr,
+        "batch_size": cfg.trainer.batch_size,
+        "global_batch": cfg.trainer.batch_size * run.dist.world,
+        "world": run.dist.world,
+        "steps": run.steps,
+        "image_size": cfg.data.image_size,
+        "loader_mode": cfg.loader.mode.value,
+        "data": cfg.data.name,
+    }
