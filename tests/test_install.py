@@ -97,7 +97,7 @@ def test_the_installed_package_imports_from_site_packages(installed):
 def test_jpegcrop_source_ships_and_builds_into_the_user_cache(installed):
     probe, purelib, cache = installed
     source = Path(probe["source"])
-    assert probe["source_is_file"] and source == purelib / "wdsdist" / "data" / "jpegcrop.c"
+    assert probe["source_is_file"] and source == purelib / "wdsdist" / "data" / "decode" / "jpegcrop.c"
     assert probe["build_dir"] == str(cache / "wdsdist")  # not beside site-packages
     if not probe["lib"].endswith(".so"):
         pytest.skip(f"jpegcrop: {probe['lib']}")  # no C compiler or libjpeg headers here

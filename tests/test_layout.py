@@ -1,4 +1,4 @@
-"""The package layout draws the architecture: data/ is the loader, train/ and tools/ use it; inside
+"""The package layout draws the architecture: data/ is the loader, tools/, train/ and simdist/ use it; inside
 data/, the subpackages import one another only along the arrows below, and no module of the
 package takes part in an import circle or reaches for another module's private name."""
 
@@ -62,6 +62,42 @@ def test_data_imports_nothing_of_wdsdist_but_itself_and_errors(path: Path) -> No
         if n.startswith("wdsdist.") and not n.startswith(("wdsdist.data", "wdsdist.errors"))
     )
     assert wrong == [], f"{path.relative_to(ROOT)} imports {wrong}: data/ depends on nothing else of wdsdist"
+
+
+# What each package of wdsdist may import of the others: the loader stands alone; the shard
+# writer and synthetic set (tools) use its readers; the trainer and simdist use both; nothing
+# imports the trainer, simdist or the Lightning module.
+PACKAGE_ARROWS = {
+    "errors": set(),
+    "data": {"errors"},
+    "tools": {"data", "errors"},
+    "simdist": {"data", "errors", "tools"},
+    "train": {"data", "errors", "tools"},
+    "lightning": {"data", "errors"},
+}
+
+
+def package_of(path: Path) -> str:
+    """A file's package of wdsdist: its subpackage, or its module's name at the top."""
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / "__init__.py"],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_packages_import_along_the_arrows(path: Path) -> None:
+    part = package_of(path)
+    assert part in PACKAGE_ARROWS, f"{path.relative_to(ROOT)}: new package: give it PACKAGE_ARROWS"
+    used = {n.split(".")[1] for n in imported_modules(path) if n.startswith("wdsdist.")}
+    wrong = sorted(used - PACKAGE_ARROWS[part] - {part})
+    assert wrong == [], f"{path.relative_to(ROOT)} ({part}) imports {wrong}"
+
+
+def test_the_package_arrows_have_no_circle() -> None:
+    assert not _circles(PACKAGE_ARROWS)
 
 
 @pytest.mark.parametrize(
