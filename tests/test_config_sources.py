@@ -56,6 +56,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "max_member_bytes": 5678,
         "http_timeout": 3.5,
         "http_min_rate": 9,
+        "http_retry_s": 7.5,
         "s3_endpoint_url": "http://minio.local:9000",
         "gs_endpoint_url": "http://gcs.local:4443",
     }
@@ -92,6 +93,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         ("loader.shuffle_buffer", "-1", "must be >= 0"),
         ("data.crop_scale", "[0.5,2]", "[lo, hi] in (0, 1]"),
         ("data.http_timeout", "0", "must be > 0 (seconds)"),
+        ("data.http_retry_s", "-1", "must be >= 0 and finite (seconds; 0: no retry)"),
         ("data.image_size", "4", "must be >= 8"),
         ("trainer.batch_size", "0", "must be >= 1"),
     ],

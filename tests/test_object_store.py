@@ -20,7 +20,7 @@ from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import cfg, keys_and_bad
 from tests.helpers.training import free_port, overrides, torchrun
 from wdsdist.data.delivery.pipeline import make_eval_loader
-from wdsdist.data.sources import httpopen, s3open, shardspec
+from wdsdist.data.sources import httpopen, retry, s3open, shardspec
 from wdsdist.errors import DataError, UserError
 
 BUCKET = "wds-test"
@@ -35,6 +35,7 @@ class _Store:
 
     def __init__(self, app):
         self.app, self.log = app, []
+        self.cut: set[str] = set()  # paths whose next GET sends half the body, then nothing more
 
     def __call__(self, environ, start_response):
         path, rank = environ["PATH_INFO"], None
@@ -49,6 +50,10 @@ class _Store:
         if path == f"/{BUCKET}/drip/slow.tar" and environ["REQUEST_METHOD"] == "GET":
             start_response("200 OK", [("Content-Length", "100000"), ("Content-Type", "application/x-tar")])
             return self._drip()
+        if path in self.cut and environ["REQUEST_METHOD"] == "GET":
+            self.cut.discard(path)
+            body = b"".join(self.app(environ, start_response))
+            return [body[: len(body) // 2]]  # and the rest never comes
         return self.app(environ, start_response)
 
     @staticmethod
@@ -263,10 +268,26 @@ def test_http_byte_range_open_and_a_server_that_ignores_it(tmp_path):
         server.server_close()
 
 
+def test_an_object_read_cut_mid_body_is_resumed_from_the_byte_reached(store, monkeypatch):
+    monkeypatch.setattr(retry, "FIRST_PAUSE", 0.005)
+    url, local = f"s3://{BUCKET}/train/train-000002.tar", store["local"]["train"] / "train-000002.tar"
+    store["app"].cut.add(f"/{BUCKET}/train/train-000002.tar")
+    del store["app"].log[:]
+    # The server hangs up after the half it sent; were it to wait instead, the read would time out.
+    config = cfg(http_timeout=DRIP_TIMEOUT, s3_endpoint_url=store["endpoint"])
+    keys, bad = keys_and_bad(make_eval_loader([shardspec.Shard(url, 24)], 0, 1, config))
+    assert keys == keys_and_bad(make_eval_loader([shardspec.Shard(str(local), 24)], 0, 1, cfg()))[0]
+    assert bad == [0, 0]
+    ranges = [r for *_, r in store["app"].log]
+    size = len(local.read_bytes())
+    assert ranges[0] is None and ranges[1:] == [f"bytes={size // 2}-"]  # once more, from the byte reached
+
+
 def test_a_dripping_store_fails_its_shard_naming_url_and_reason(store, capfd):
     slow, good = f"s3://{BUCKET}/drip/slow.tar", f"s3://{BUCKET}/train/train-000000.tar"
     shards = [shardspec.Shard(slow, 6), shardspec.Shard(good, 24)]
-    config = cfg(http_timeout=DRIP_TIMEOUT, s3_endpoint_url=store["endpoint"])
+    # data.http_retry_s=0: the first try's failure (a drip is transient, else retried)
+    config = cfg(http_timeout=DRIP_TIMEOUT, http_retry_s=0, s3_endpoint_url=store["endpoint"])
     keys, bad = keys_and_bad(make_eval_loader(shards, 0, 1, config))
     assert sorted(keys) == [f"s{i:07d}" for i in range(24)]  # the good shard, whole
     err = capfd.readouterr().err

@@ -22,6 +22,8 @@ from wdsdist.errors import DataError, UserError
 
 DRIP_INTERVAL = 0.02  # seconds between the bytes a dripping server sends
 DRIP_TIMEOUT = 0.5  # http_timeout in the drip tests: each byte comes well within it
+# A drip is a transient failure, retried for data.http_retry_s; these tests are of the first try.
+DRIP = {"http_timeout": DRIP_TIMEOUT, "http_retry_s": 0}
 
 
 class _Hostile(Quiet):
@@ -244,13 +246,13 @@ def test_a_dripping_server_fails_its_shard_naming_url_and_reason(served, capfd, 
     base, _ = served
     slow = f"{base}/{path}"
     shards = [shardspec.Shard(slow, 6), shardspec.Shard(f"{base}/tiny-000000.tar", 6)]
-    keys, _ = keys_and_bad(make_eval_loader(shards, 0, 1, cfg(http_timeout=DRIP_TIMEOUT)))
+    keys, _ = keys_and_bad(make_eval_loader(shards, 0, 1, cfg(**DRIP)))
     assert sorted(keys) == [f"s{i:07d}" for i in range(6)]  # the good shard, whole (the slow one: a warning)
     err = capfd.readouterr().err
     assert f"warning: skipped: {slow}: cannot read shard: TimeoutError: too slow: " in err
     assert "less than http_min_rate=65536 bytes/s" in err
     with pytest.raises(DataError, match=f"{slow}: cannot read shard: TimeoutError: too slow"):
-        list(make_eval_loader(shards, 0, 1, cfg(strict=True, http_timeout=DRIP_TIMEOUT)))
+        list(make_eval_loader(shards, 0, 1, cfg(strict=True, **DRIP)))
 
 
 def test_a_redirect_off_http_is_refused_naming_it(served, capfd):

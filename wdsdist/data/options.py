@@ -8,6 +8,7 @@ sections before anything starts, and (``parse_nbatches``) in the planner and sim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from enum import StrEnum
@@ -59,7 +60,10 @@ class SampleOptions:
     max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
     http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
     http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s a server must send per http_timeout waited; 0: off
-    # http_timeout and http_min_rate hold for s3:// and gs:// too. Endpoints (null: the default):
+    # seconds a remote shard read keeps retrying transient failures without a new byte, resuming
+    # where it stopped; a server that never answers then ends the run (retry.py). 0: no retry
+    http_retry_s: float = 60.0
+    # http_timeout, http_min_rate and http_retry_s hold for s3:// and gs:// too. Endpoints (null: the default):
     s3_endpoint_url: str | None = None  # S3-compatible store (MinIO, Ceph, R2); null: AWS_ENDPOINT_URL or AWS
     gs_endpoint_url: str | None = None  # null: https://storage.googleapis.com (Cloud Storage's S3 API)
 
@@ -130,6 +134,7 @@ class LoaderConfig(SampleOptions, StreamOptions):
             trust_index=self.trust_index,
             http_timeout=self.http_timeout,
             http_min_rate=self.http_min_rate,
+            http_retry_s=self.http_retry_s,
             s3_endpoint_url=self.s3_endpoint_url,
             gs_endpoint_url=self.gs_endpoint_url,
         )
@@ -196,6 +201,7 @@ SAMPLE_RULES: tuple[Rule, ...] = (
     ("max_member_bytes", lambda o: o.max_member_bytes >= 1, "must be >= 1"),
     ("http_timeout", lambda o: o.http_timeout > 0, "must be > 0 (seconds)"),
     ("http_min_rate", lambda o: o.http_min_rate >= 0, "must be >= 0 (bytes/s; 0: no rate check)"),
+    ("http_retry_s", lambda o: 0 <= o.http_retry_s < math.inf, "must be >= 0 and finite (seconds; 0: no retry)"),
 )
 STREAM_RULES: tuple[Rule, ...] = (
     ("dsrepeat", lambda o: o.dsrepeat >= 1, "must be >= 1"),

@@ -33,6 +33,7 @@ from wdsdist.data.plan.order import shard_order
 from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
 from wdsdist.data.sources.opener import open_shard
+from wdsdist.data.sources.retry import StoreDown, describe
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.data.sources.spanread import read_span
 from wdsdist.data.tar.lateread import read_late
@@ -243,15 +244,18 @@ class ShardStream(IterableDataset):
             stream.close()
 
     def _read_guarded(self, url: str, read: Callable[[], Iterator[dict]], worker: int, bad: list) -> Iterator[dict]:
-        """The samples ``read()`` gives of one shard; a failure is skipped and counted, as above."""
+        """The samples ``read()`` gives of one shard; a failure is skipped and counted, as above,
+        but for a store that is down (retry.StoreDown), which raises DataError in any mode."""
         if self.cfg.trace:
             print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
         try:
             yield from read()
+        except StoreDown as exc:
+            # Not a bad shard: every shard on that server would fail alike, each after the whole
+            # wait. The run ends with one line naming the server, strict or not.
+            raise DataError(str(exc)) from None
         except Exception as exc:
-            # webdataset appends streams to args; an OSError says more in strerror
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc.args[0] if exc.args else exc
-            error = DataError(f"{url}: cannot read shard: {exc.__class__.__name__}: {reason}")
+            error = DataError(f"{url}: cannot read shard: {describe(exc)}")
             if self.cfg.strict:
                 raise error from None
             warn_skip(error)

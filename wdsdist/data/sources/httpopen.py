@@ -11,7 +11,9 @@ urllib, never a shell, with limits a broken or hostile server cannot get around:
 
 A part of a body is asked for with a Range request; a server that ignores it and sends the
 whole body (200) is read from its start with the bytes before the part dropped, so a caller
-always gets the bytes it asked for, never others.
+always gets the bytes it asked for, never others. That is also how the opener resumes a shard
+read that failed midway (retry.py), which is why a body cut short must be told from its end
+(``length``, and IncompleteRead while dropping).
 """
 
 from __future__ import annotations
@@ -143,6 +145,13 @@ class _Window(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    @property
+    def length(self) -> int | None:
+        """Bytes still to come that the server announced (as HTTPResponse.length; None where it
+        did not say): nonzero where the data has ended, the connection was cut."""
+        announced = self._response.length
+        return None if announced is None else min(self.left, announced)
+
     def readinto(self, buffer) -> int:  # type: ignore[override]
         n = min(len(buffer), self.left)
         if n <= 0:
@@ -168,6 +177,8 @@ def _ranged(url: str, response: http.client.HTTPResponse, start: int, end: int |
         left = start
         while left > 0:
             got = len(response.read(min(left, _CHUNK)))
+            if not got and response.length:  # the connection was cut, not a short body
+                raise http.client.IncompleteRead(b"", response.length)
             if not got:
                 raise urllib.error.URLError(f"{url}: the body ends before byte {start} (the server ignored Range)")
             left -= got

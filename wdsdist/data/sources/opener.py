@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import webdataset as wds
 
-from wdsdist.data.sources import httpopen, s3open
+from wdsdist.data.sources import httpopen, retry, s3open
 from wdsdist.data.tar.tarread import skip_bytes
 from wdsdist.errors import DataError
 
@@ -28,13 +30,15 @@ class Access:
     its folder or URLs, an http(s) index names http(s) URLs on its own server (scheme, host and
     port), and an s3:// or gs:// index names objects in its own bucket.
 
-    ``http_timeout`` and ``http_min_rate`` hold for object stores too; ``s3_endpoint_url`` and
+    ``http_timeout``, ``http_min_rate`` and ``http_retry_s`` (seconds of failure a shard read
+    rides out, retry.py; 0: none) hold for object stores too; ``s3_endpoint_url`` and
     ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go."""
 
     allow_pipe: bool = False
     trust_index: bool = False
     http_timeout: float = 60.0
     http_min_rate: int = httpopen.DEFAULT_MIN_RATE
+    http_retry_s: float = 60.0
     s3_endpoint_url: str | None = None
     gs_endpoint_url: str | None = None
 
@@ -51,7 +55,7 @@ def is_http(url: str) -> bool:
     return url.startswith(("http://", "https://"))
 
 
-def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.BufferedIOBase:
+def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.IOBase:
     """Open a shard for sequential reading from byte ``start``; ``end`` (exclusive) is where the
     caller will stop at the latest, for sources that can ask for less (an http Range request).
     Local files seek to ``start``; sources that cannot seek read and drop the bytes before it.
@@ -59,16 +63,29 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
     http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
     a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
     below ``http_min_rate``, and a redirect off http(s) is refused. s3:// and gs:// go through
-    boto3 (s3open) with the same limits. ``pipe:`` runs its command
+    boto3 (s3open) with the same limits. Both ride out transient failures for ``http_retry_s``
+    seconds, resuming where they stopped (retry.py). ``pipe:`` runs its command
     in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
     WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
     """
     if is_http(url):
-        return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=start, end=end)
+
+        def open_http(at: int):
+            return httpopen.open_url(url, access.http_timeout, access.http_min_rate, start=at, end=end)
+
+        return _resuming(url, access, open_http, start, end, lambda: retry.server_of(url))
     if s3open.is_object_url(url):
-        return s3open.open_url(
-            url, access.http_timeout, access.http_min_rate, start=start, end=end, endpoint_url=access.endpoint_url(url)
-        )
+        endpoint = access.endpoint_url(url)
+
+        def open_object(at: int):
+            return s3open.open_url(
+                url, access.http_timeout, access.http_min_rate, start=at, end=end, endpoint_url=endpoint
+            )
+
+        def server() -> str:
+            return retry.server_of(s3open.endpoint(url, access.http_timeout, endpoint))
+
+        return _resuming(url, access, open_object, start, end, server)
     if url.startswith("pipe:"):
         if not access.allow_pipe:
             raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
@@ -84,6 +101,16 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
             stream.close()
             raise
     return stream
+
+
+def _resuming(
+    url: str, access: Access, open_at: Callable[[int], Any], start: int, end: int | None, server: Callable[[], str]
+) -> Any:
+    """The remote stream ``open_at(start)``, resumed after transient failures where
+    ``http_retry_s`` allows (0: opened once, failing as it fails)."""
+    if access.http_retry_s <= 0:
+        return open_at(start)
+    return retry.Resuming(url, open_at, start, end, access.http_retry_s, server)
 
 
 def read_capped(url: str, access: Access, limit: int) -> bytes:

@@ -14,7 +14,8 @@ connecting and each read wait at most ``timeout`` seconds (botocore's timeouts),
 read one socket receive at a time (urllib3's ``read1``) through httpopen's meter, which fails a
 stream that delivers less than ``min_rate`` bytes per second of waiting. Only the time blocked
 in a receive counts, as for http(s). Failed requests are retried as botocore's retry settings
-say (``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``); a body, once streaming, is not.
+say (``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``); beyond that, a shard read that fails while
+streaming or opening is resumed from the byte it reached by the opener (retry.py), as for http(s).
 
 A client belongs to one process: boto3's clients and their connection pools must not cross a
 fork, so each DataLoader worker makes its own on first use (nothing here is pickled).
@@ -30,6 +31,7 @@ import time
 from typing import Any
 
 from wdsdist.data.sources.httpopen import DEFAULT_MIN_RATE, Meter
+from wdsdist.data.sources.retry import Unavailable
 
 SCHEMES = ("s3", "gs")
 GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -169,6 +171,8 @@ def _os_error(exc: Exception, url: str, endpoint: str, timeout: float) -> OSErro
             return PermissionError(f"access denied by {endpoint} ({code}: {message})")
         if code == "InvalidRange":
             return OSError(f"byte range beyond the object's end ({error.get('ActualObjectSize', '?')} bytes)")
+        if isinstance(status, int) and (status >= 500 or status == 429):  # SlowDown, InternalError: try later
+            return Unavailable(f"{endpoint} answered {code}: {message}")
         return OSError(f"{endpoint} answered {code}: {message}")
     if isinstance(exc, (bx.ConnectTimeoutError, bx.EndpointConnectionError)):
         return ConnectionError(f"cannot reach {endpoint} ({exc.__class__.__name__})")
@@ -177,6 +181,12 @@ def _os_error(exc: Exception, url: str, endpoint: str, timeout: float) -> OSErro
     if isinstance(exc, bx.BotoCoreError):
         return OSError(" ".join(str(exc).split()))
     return OSError(" ".join(str(exc).split()) or exc.__class__.__name__)
+
+
+def endpoint(url: str, timeout: float, endpoint_url: str | None = None) -> str:
+    """The endpoint the object at ``url`` is read from: ``endpoint_url``, or boto3's own."""
+    scheme, _, _ = split(url)
+    return _client(scheme, endpoint_url, timeout).meta.endpoint_url
 
 
 def _call(url: str, timeout: float, endpoint_url: str | None, method: str, **params: Any) -> Any:
@@ -212,10 +222,15 @@ class _Body(io.RawIOBase):
         except ux.ReadTimeoutError:
             raise TimeoutError(f"no data for {self._timeout:g} s") from None
         except ux.HTTPError as exc:  # a connection broken mid-body (IncompleteRead, reset)
-            raise OSError(f"connection broken: {' '.join(str(exc).split())}") from None
+            raise ConnectionError(f"connection broken: {' '.join(str(exc).split())}") from None
         self._meter.add(len(data), time.monotonic() - start)
         n = len(data)
         if n == 0 and len(buffer):
+            # botocore leaves urllib3's length check off: a body cut short would end the tar
+            # quietly (at a header's place, as a shard's end), its remaining samples lost.
+            left = getattr(self._raw, "length_remaining", None)
+            if left:
+                raise ConnectionError(f"connection broken: the body ended {left} bytes short of its Content-Length")
             self._eof = True
         memoryview(buffer)[:n] = data
         return n
