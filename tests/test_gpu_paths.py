@@ -120,20 +120,37 @@ def test_bf16_autocast_is_off_below_compute_capability_8_with_one_note():
     ],
 )
 def test_only_a_lost_peer_is_reported_as_another_rank_stopping(monkeypatch, message, gone):
-    def fail(*args, **kwargs):
-        raise RuntimeError(message)
+    monkeypatch.setattr(distributed, "_peers", [("a", "127.0.0.1"), ("b", "127.0.0.2")])
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(name, raising=False)
+    lost = distributed.peer_lost(RuntimeError(message), 6)
+    if not gone:
+        assert lost is None  # this rank's own fault: raised as itself, with its traceback
+        return
+    assert isinstance(lost, JobError)
+    who = "rank 0 on node a (127.0.0.1)" if "127.0.0.1" in message else "another rank"
+    assert str(lost).startswith(f"{who} stopped answering at step 7 (")
+    assert "This is typically" not in str(lost) and "pair.cc" not in str(lost)
+    assert str(lost).endswith("; the job ends; rerun with trainer.resume=auto to go on from the last checkpoint")
 
-    monkeypatch.setattr(distributed, "_active", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", fail)
-    expected = JobError if gone else RuntimeError
-    with pytest.raises(expected) as raised:
-        distributed.agree_max([0, 1])
-    if gone:
-        assert str(raised.value).startswith(
-            "another rank stopped answering (its own error, if it had time, is above): "
-        )
-    else:
-        assert str(raised.value) == message  # this rank's own fault, as itself
+
+def test_a_lost_peer_line_says_what_torchrun_does_next(monkeypatch):
+    monkeypatch.setattr(distributed, "_peers", [("n", "10.0.0.1"), ("n", "10.0.0.2"), ("n", "10.0.0.2")])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    text = "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:50920. This is typically caused"
+    assert str(distributed.peer_lost(RuntimeError(text), 11)) == (
+        "ranks 1, 2 on node 10.0.0.2 stopped answering at step 12 (Connection closed by peer [10.0.0.2]:50920); "
+        "torchrun will re-form the job with the nodes that answer (restart 2 of 3) and it resumes from the last "
+        "checkpoint"
+    )  # the same host name on every node (namespaces): the address alone names the node
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert str(distributed.peer_lost(RuntimeError(text), 11)).endswith(
+        "torchrun has no restarts left (--max-restarts=3): the job ends; rerun with trainer.resume=auto to go on "
+        "from the last checkpoint"
+    )
 
 
 # ---------------------------------------------------------------- 4: evaluation without host reads

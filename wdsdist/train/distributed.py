@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,6 +107,8 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
             # pickled objects) and any other CPU tensor go over gloo, also with one rank, and
             # agreeing on them never waits for the GPU's queue of work.
             _control[0] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # Where every rank runs, so a line about a lost peer can name its rank and node.
+        _peers[:] = all_gather_object((socket.gethostname(), _own_address()))
     return Dist(rank, world, local_rank, dev)
 
 
@@ -206,10 +209,23 @@ def bf16_autocast(amp: bool, capability: tuple[int, int] | None) -> tuple[bool, 
 
 _control: list[Any] = [None]  # the gloo group for control values; None: the default group
 _store: list[Any] = [None]
+_peers: list[tuple[str, str | None]] = []  # (host name, address) of each rank, in rank order
+
+
+def _own_address() -> str | None:
+    """This process's address towards the job's store (MASTER_ADDR): the interface its peers
+    reach it on. A UDP socket's connect sends nothing."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            return s.getsockname()[0]
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def cleanup() -> None:
     _control[0] = _store[0] = None
+    _peers.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -220,6 +236,24 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
         return 0
+
+
+def watch_store(timeout_s: float) -> dist.Store | None:
+    """Another client of the job's store, whose calls give up after ``timeout_s``: for the
+    watchdog's thread, so a store host that stops answering (its node cut off) costs it seconds,
+    not the job's timeout. None in a one-process run or when the store cannot be reached."""
+    if _store[0] is None:
+        return None
+    try:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, KeyError, ValueError):
+        return None
 
 
 def store() -> dist.Store | None:
@@ -304,19 +338,54 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# What gloo says when a peer process is gone (exited, killed, its node lost) or stopped
+# What gloo says when a peer process is gone (exited, killed, its node lost or cut off) or stopped
 # answering; anything else is a fault of this process and is raised as itself.
 _PEER_GONE = re.compile(
     r"Connection (?:closed|reset) by peer|Broken pipe|Timed out waiting|Socket Timeout|Connection refused"
+    r"|No route to host|Connection timed out"
 )
+_PEER_ADDRESS = re.compile(r"\[([0-9.]+|[0-9a-fA-F:]+)\]:\d+")
 
 
-def _peer_gone(exc: Exception) -> JobError | None:
+def after_loss() -> str:
+    """What happens to the job after a rank is lost, for the line that says so."""
+    if not under_torchrun():
+        return "the job ends; rerun with trainer.resume=auto to go on from the last checkpoint"
+    count, most = restart_count(), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if count < most:
+        return (
+            f"torchrun will re-form the job with the nodes that answer (restart {count + 1} of {most}) "
+            f"and it resumes from the last checkpoint"
+        )
+    return (
+        f"torchrun has no restarts left (--max-restarts={most}): the job ends; rerun with trainer.resume=auto "
+        f"to go on from the last checkpoint"
+    )
+
+
+def _who(address: str | None) -> str:
+    """The ranks at ``address`` and their node, from the start's map; "another rank" if unknown."""
+    ranks = [r for r, (_, addr) in enumerate(_peers) if address is not None and addr == address]
+    if not ranks:
+        return "another rank" + (f" (at {address})" if address else "")
+    hosts = {_peers[r][0] for r in ranks}
+    same_host = len({host for host, _ in _peers}) == 1  # nodes that share a host name (namespaces)
+    node = address if same_host or len(hosts) != 1 else f"{hosts.pop()} ({address})"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on node {node}"
+
+
+def peer_lost(exc: BaseException, step: int) -> JobError | None:
+    """A collective's error read as a lost peer: one line naming the rank and node (when gloo
+    names its address), the step, and what happens next; None for any other error (this
+    process's own fault, raised as itself with its traceback)."""
     text = str(exc).strip()
     if not _PEER_GONE.search(text):
         return None
-    reason = text.splitlines()[0]
-    return JobError(f"another rank stopped answering (its own error, if it had time, is above): {reason}")
+    reason = re.sub(r"^\[[^\]]*\] ", "", text.splitlines()[0])  # gloo's source position
+    reason = reason.split(". This is typically")[0].rstrip(".")
+    address = _PEER_ADDRESS.search(reason)
+    who = _who(address.group(1) if address else None)
+    return JobError(f"{who} stopped answering at step {step + 1} ({reason}); {after_loss()}")
 
 
 def agree_max(values: list[int]) -> list[int]:
@@ -324,13 +393,7 @@ def agree_max(values: list[int]) -> list[int]:
     if not _active():
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
-    try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control[0])
-    except RuntimeError as exc:  # the every-step meeting point: where a dead rank shows first
-        gone = _peer_gone(exc)
-        if gone is None:
-            raise
-        raise gone from None
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control[0])
     return tensor.tolist()
 
 
@@ -346,13 +409,7 @@ class Agreement:
 
     def result(self) -> list[int]:
         if self.work is not None:
-            try:
-                self.work.wait()
-            except RuntimeError as exc:
-                gone = _peer_gone(exc)
-                if gone is None:
-                    raise
-                raise gone from None
+            self.work.wait()
             self.work = None
         return self.values.tolist()
 

@@ -18,7 +18,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+from wdsdist.train.distributed import after_loss
 
 EXIT_STOPPED = 143  # 128 + SIGTERM, what a shell reports for a terminated process: stopped, not finished
 EXIT_STALLED = 1
@@ -69,10 +72,15 @@ class Watchdog:
         self.state: tuple[int, int, str] = (0, 0, "start")  # beats, steps done, phase
         self.fired = threading.Event()
         self._closed = threading.Event()
-        self.period = max(0.2, min(5.0, timeout_s / 5))
+        self.period = self.period_for(timeout_s)
         self._thread = threading.Thread(target=self._run, name="wdsdist-watchdog", daemon=True)
         if stop is not None:
             stop.watchdog = self
+
+    @staticmethod
+    def period_for(timeout_s: float) -> float:
+        """Seconds between two looks (also the most one store call may take)."""
+        return max(0.2, min(5.0, timeout_s / 5))
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -114,17 +122,22 @@ class Watchdog:
         known: dict[int, tuple[int, int, str]] = {}  # rank -> state when last read
         last_move = time.monotonic()
         published = None
-        while not self._closed.wait(self.period):
+        store = _Bounded(self.period)
+        silent = False  # the store's last call failed or did not come back
+        wait = 0.0  # the first look at once: the others hear of this rank before anything can cut it off
+        while not self._closed.wait(wait):
+            wait = self.period
             mine = self.state
             fresh = {self.rank: mine}
             try:
                 if self.store is not None and mine != published:
-                    self._publish(mine)
+                    store(lambda mine=mine: self._publish(mine))
                     published = mine
                 if self.store is not None and seen.get(self.rank) == mine[0]:
-                    fresh = self._read_all() | fresh  # only while this rank stands still
-            except Exception:  # the store is gone (the agent is shutting down): judge this rank alone
-                pass
+                    fresh = store(self._read_all) | fresh  # only while this rank stands still
+                silent = False
+            except Exception:  # the store is gone or cut off (or the agent is shutting down): judge this rank alone
+                silent = self.store is not None
             known.update(fresh)
             moved = [r for r, s in fresh.items() if seen.get(r) != s[0]]
             for r in moved:
@@ -133,15 +146,26 @@ class Watchdog:
             if moved:
                 last_move = now
             elif now - last_move >= self.timeout_s:
-                self._fire(known, now - last_move)
+                self._fire(known, now - last_move, silent)
                 return
 
-    def _fire(self, states: dict[int, tuple[int, int, str]], idle: float) -> None:
-        message = stall_message(states, self.world, idle, self.timeout_s)
+    def _fire(self, states: dict[int, tuple[int, int, str]], idle: float, silent: bool = False) -> None:
+        self.fired.set()
+        if silent:  # no word from the others: this rank speaks for itself, at once
+            limit = f"no progress for {idle:.0f}s (trainer.timeout_s={self.timeout_s:g})"
+            _, steps, phase = self.state
+            print(
+                f"error: rank {self.rank} lost contact with the job: {limit}, {DOING.get(phase, phase)} at step "
+                f"{steps + 1}, and the job's store does not answer (this node or the one holding it is cut off); "
+                f"{after_loss()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_STALLED)
+        message = f"{stall_message(states, self.world, idle, self.timeout_s)}; {after_loss()}"
         behind = stalled_ranks(states, self.world)
         ahead = [r for r in range(self.world) if r not in behind]
         reporter = ahead[0] if ahead else 0
-        self.fired.set()
         if self.rank != reporter:
             # The reporter prints and exits, and torchrun stops this rank (SIGTERM, see
             # StopRequest). Should the reporter be gone, say it here after another timeout.
@@ -152,6 +176,38 @@ class Watchdog:
             message += f" (reported by rank {self.rank})"
         print(f"error: {message}", file=sys.stderr, flush=True)
         os._exit(EXIT_STALLED)
+
+
+class _Bounded:
+    """Store calls run on a thread of their own and waited for at most ``limit`` seconds: with
+    its host cut off, a TCPStore call can block for good (its timeout bounds waits for keys, not
+    a request whose answer never comes), and the watchdog must still judge. While a call is
+    stuck, later ones fail at once instead of piling up threads."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self._stuck: threading.Thread | None = None
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        if self._stuck is not None and self._stuck.is_alive():
+            raise TimeoutError("the job's store has not answered")
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=call, name="wdsdist-watchdog-store", daemon=True)
+        thread.start()
+        thread.join(self.limit)
+        if thread.is_alive():
+            self._stuck = thread
+            raise TimeoutError(f"the job's store did not answer within {self.limit:g}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
 
 def _position(state: tuple[int, int, str]) -> tuple[int, int]:
@@ -198,12 +254,28 @@ def stall_for_test(rank: int, steps: int) -> None:
         threading.Event().wait()
 
 
-def trace_for_test(rank: int, step: int, batch: dict) -> None:
+def hold_for_test(rank: int, steps: int, stop_requested: Callable[[], bool]) -> None:
+    """TEST HOOK: WDSDIST_TEST_HOLD=FILE and WDSDIST_TEST_HOLD_STEP=S make every rank of a job's
+    first start, before step S, write its pid to FILE.rank-R and wait while FILE exists and no
+    stop is requested, so a test can fault a node at a known step (tests/test_cluster_faults.py):
+    every rank is between two steps, the checkpoints before S written."""
+    hold = os.environ.get("WDSDIST_TEST_HOLD")
+    if hold and os.environ.get("WDSDIST_TEST_HOLD_STEP") == str(steps + 1) and os.path.exists(hold):
+        with open(f"{hold}.rank-{rank}", "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+        while os.path.exists(hold) and not stop_requested():
+            time.sleep(0.05)
+
+
+def trace_for_test(rank: int, step: int, batch: dict, generation: int) -> None:
     """TEST HOOK: WDSDIST_TEST_TRACE=DIR makes each rank append, per step it trains, the step, the
-    batch's epoch and its samples' positions (split=samples) to DIR/rank-R.txt, so a test can
-    check which samples a run delivered (tests/test_train_elastic.py)."""
+    batch's epoch and its samples' positions (split=samples) to DIR/start-G/rank-R.txt (G: the
+    job's start in its run directory), so a test can check which samples a run delivered, also
+    across restarts (tests/test_train_elastic.py, tests/test_cluster_faults.py)."""
     where = os.environ.get("WDSDIST_TEST_TRACE")
     if where:
+        folder = os.path.join(where, f"start-{generation}")
+        os.makedirs(folder, exist_ok=True)
         epochs = sorted(set(batch["id"][:, 0].tolist()))
-        with open(os.path.join(where, f"rank-{rank}.txt"), "a", encoding="utf-8") as f:
+        with open(os.path.join(folder, f"rank-{rank}.txt"), "a", encoding="utf-8") as f:
             f.write(f"{step} {','.join(map(str, epochs))} {','.join(map(str, batch['pos'].tolist()))}\n")
