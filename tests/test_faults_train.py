@@ -301,11 +301,11 @@ class FakeLoader:
         return {"point": {"epoch": 0, "workers": {}}, "batches": 0, "workers": 1, "rank": 0, "world": 1}
 
 
-def save(run_dir: Path, step: int, keep: int = 3) -> str:
+def save(run_dir: Path, step: int, keep: int = 3, generation: int = 1) -> str:
     import torch
     from omegaconf import OmegaConf
 
-    from wdsdist.train.checkpoint import save_checkpoint
+    from wdsdist.train.checkpoint import Generation, save_checkpoint
     from wdsdist.train.distributed import Dist
 
     torch.manual_seed(step)
@@ -313,7 +313,43 @@ def save(run_dir: Path, step: int, keep: int = 3) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = OmegaConf.create({"trainer": {"workers": 1}})
     d = Dist(0, 1, 0, torch.device("cpu"))
-    return save_checkpoint(str(run_dir), step, d, model, opt, FakeLoader(), cfg, keep)
+    return save_checkpoint(str(run_dir), step, d, model, opt, FakeLoader(), cfg, keep, Generation(generation, False))
+
+
+def test_a_start_cut_off_from_a_later_one_writes_no_checkpoint(tmp_path, monkeypatch):
+    """No split brain: once a later start of the job (torchrun re-forming it without a cut-off
+    node) has begun in the run directory, the earlier start's rank 0 writes nothing more, neither
+    when it checks before writing nor when the later start begins while it writes."""
+    import torch
+
+    from wdsdist.errors import JobError
+    from wdsdist.train.checkpoint import begin_generation, checkpoints, same_job
+
+    first = begin_generation(str(tmp_path), "job-a", restarted=False)
+    save(tmp_path, 2, generation=first.number)
+    second = begin_generation(str(tmp_path), "job-a", restarted=True)
+    assert (first.number, second.number) == (1, 2) and same_job(str(tmp_path), "job-a")
+    assert not same_job(str(tmp_path), "job-b") and not same_job(str(tmp_path), None)
+    save(tmp_path, 4, generation=second.number)
+    with pytest.raises(JobError) as refused:
+        save(tmp_path, 6, generation=first.number)
+    assert str(refused.value) == (
+        f"a later start of this job (generation 2) owns {tmp_path}: this one (generation 1) was cut off from it and "
+        "stops without writing"
+    )
+    real_save = torch.save
+
+    def save_while_a_third_start_begins(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)
+        begin_generation(str(tmp_path), "job-a", restarted=True)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", save_while_a_third_start_begins)
+        with pytest.raises(JobError):
+            save(tmp_path, 8, generation=second.number)
+    assert [os.path.basename(p) for p in checkpoints(str(tmp_path))] == ["ckpt-0000002.pt", "ckpt-0000004.pt"]
+    assert os.readlink(tmp_path / "latest.pt") == "ckpt-0000004.pt"  # never moved back, never to a refused one
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole_and_no_tmp_is_read(tmp_path, monkeypatch):
@@ -481,9 +517,10 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(shards, tmp_p
     assert len(errors) == 1, out
     assert not session_pids(proc.pid)  # no rank and no loader worker left behind
     assert errors[0].startswith("error: rank 1 stalled: no progress for "), errors[0]
-    assert errors[0].endswith("(trainer.timeout_s=10), waiting for its next batch at step 3; rank 0 waits for it"), (
-        errors[0]
-    )
+    assert errors[0].endswith(
+        "(trainer.timeout_s=10), waiting for its next batch at step 3; rank 0 waits for it; torchrun has no restarts "
+        "left (--max-restarts=0): the job ends; rerun with trainer.resume=auto to go on from the last checkpoint"
+    ), errors[0]
 
 
 def test_the_stall_message_names_the_ranks_behind():

@@ -9,12 +9,14 @@ which loads and is ignored.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import random
 import re
 import sys
 import time
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from wdsdist.data import Loader
-from wdsdist.errors import UserError
+from wdsdist.errors import JobError, UserError
 from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
 from wdsdist.train.faults import Watchdog
@@ -42,15 +44,18 @@ def write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_save(obj: Any, path: str) -> None:
+def _atomic_save(obj: Any, path: str, may_write: Any = None) -> None:
     """Write PATH.tmpPID, flush it to disk, then rename it over PATH: a crash at any moment leaves
-    the old file or the new one, never a torn one (a killed writer leaves only the .tmp file)."""
+    the old file or the new one, never a torn one (a killed writer leaves only the .tmp file).
+    ``may_write``, called just before the rename, may still refuse it by raising."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if may_write is not None:
+            may_write()
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
@@ -91,6 +96,55 @@ def _point_latest(run_dir: str, name: str) -> None:
             while chunk := src.read(1 << 24):
                 dst.write(chunk)
     os.replace(tmp, latest)
+
+
+# ---------------------------------------------------------------- generations: who may write
+
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Which start of the job this is in its run directory (1, 2, ...), the fence for its writes:
+    once a later start (torchrun re-forming the job after a node came or went) has begun, an
+    earlier one still running somewhere (a node cut off from the others) writes nothing more."""
+
+    number: int
+    restarted: bool  # a later start of the same torchrun job, whatever torchrun's restart count says
+
+
+def _read_job(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, JOB_FILE), encoding="utf-8") as f:
+            job = json.loads(f.read(4096))
+        return job if isinstance(job, dict) and isinstance(job.get("generation"), int) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def same_job(run_dir: str, run_id: str | None) -> bool:
+    """Whether the run directory's last start was this torchrun job (its rendezvous id): a node
+    joining or leaving re-forms the job without counting a restart, and must still resume."""
+    return run_id is not None and _read_job(run_dir).get("run_id") == run_id
+
+
+def begin_generation(run_dir: str, run_id: str | None, restarted: bool) -> Generation:
+    """Rank 0, before this start writes anything else: the next generation, recorded."""
+    number = _read_job(run_dir).get("generation", 0) + 1
+    write_text(os.path.join(run_dir, JOB_FILE), json.dumps({"run_id": run_id, "generation": number}) + "\n")
+    return Generation(number, restarted)
+
+
+def check_generation(run_dir: str, generation: Generation) -> None:
+    """Before a write that moves the run on (a checkpoint, latest.pt): refuse it, with one line,
+    when a later start of the job owns the run directory (no split brain)."""
+    newer = _read_job(run_dir).get("generation", 0)
+    if newer > generation.number:
+        raise JobError(
+            f"a later start of this job (generation {newer}) owns {run_dir}: this one (generation "
+            f"{generation.number}) was cut off from it and stops without writing"
+        )
 
 
 def _step_of(path: str) -> int:
@@ -150,8 +204,10 @@ def save_checkpoint(
     loader: Loader,
     cfg: DictConfig,
     keep: int,
+    generation: Generation,
 ) -> str | None:
-    """Collective: every rank hands in its loader position and RNG state; rank 0 writes."""
+    """Collective: every rank hands in its loader position and RNG state; rank 0 writes, unless a
+    later start of the job owns the run directory (``check_generation``)."""
     loaders = loader.state_dict()  # every rank's position
     rngs = distributed.all_gather_object(rng_state(dist))
     if not dist.is_main:
@@ -159,6 +215,7 @@ def save_checkpoint(
     ckpt = {
         "format": CKPT_FORMAT,
         "step": step,
+        "generation": generation.number,  # which start of the job wrote it
         "world": dist.world,
         "workers": cfg.trainer.workers,
         "model": model.state_dict(),
@@ -168,7 +225,8 @@ def save_checkpoint(
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
     name = f"ckpt-{step:07d}.pt"
-    _atomic_save(ckpt, os.path.join(run_dir, name))
+    check_generation(run_dir, generation)
+    _atomic_save(ckpt, os.path.join(run_dir, name), lambda: check_generation(run_dir, generation))
     _point_latest(run_dir, name)  # before any pruning: latest.pt never names a deleted file
     _fsync_dir(run_dir)
     for old in prunable(run_dir, step, keep):
@@ -202,8 +260,9 @@ class Checkpointer:
         loader: Loader,
         report: Reporter,
         watchdog: Watchdog,
+        generation: Generation,
     ):
-        self.run_dir, self.dist, self.cfg = run_dir, dist, cfg
+        self.run_dir, self.dist, self.cfg, self.generation = run_dir, dist, cfg, generation
         self.model, self.opt, self.loader = model, opt, loader
         self.report, self.watchdog = report, watchdog
         self.every = cfg.trainer.ckpt_every
@@ -216,7 +275,7 @@ class Checkpointer:
             self.watchdog.beat(step, "checkpoint")
             keep = self.cfg.trainer.keep
             self.path = save_checkpoint(
-                self.run_dir, step, self.dist, self.model, self.opt, self.loader, self.cfg, keep
+                self.run_dir, step, self.dist, self.model, self.opt, self.loader, self.cfg, keep, self.generation
             )
             self.saved_at = step
             self.report.line(f"checkpoint {self.path}", console=False)
@@ -251,10 +310,12 @@ def _fresh_name(outputs: str) -> str:
     return name
 
 
-def load_resume(cfg: DictConfig, dist: Dist, run_dir: str) -> tuple[str | None, dict | None, list[str]]:
+def load_resume(
+    cfg: DictConfig, dist: Dist, run_dir: str, restarted: bool
+) -> tuple[str | None, dict | None, list[str]]:
     """The checkpoint to resume from (path, contents, warnings about newer ones that did not
-    load), or Nones. Rank 0 picks it, falling back past corrupt ones; the others load the same."""
-    restarted = distributed.restart_count() > 0
+    load), or Nones. Rank 0 picks it, falling back past corrupt ones; the others load the same.
+    ``restarted``: a later start of the same torchrun job, which continues from the run directory."""
     candidates = distributed.on_all_ranks(lambda: find_resume(cfg.trainer.resume, run_dir, restarted=restarted))
     if not candidates:
         return None, None, []

@@ -14,7 +14,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from wdsdist.train import distributed, faults
-from wdsdist.train.checkpoint import Checkpointer
+from wdsdist.train.checkpoint import Checkpointer, Generation
 from wdsdist.train.distributed import Dist
 from wdsdist.train.evaluate import Evaluator, OnDevice
 from wdsdist.train.feed import Feed
@@ -45,6 +45,7 @@ class Run:
     window: Window
     evaluator: Evaluator
     checkpointer: Checkpointer
+    generation: Generation  # which start of the job in its run directory
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.base_lr, self.steps, self.cfg.optim.warmup)
@@ -57,6 +58,9 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
     """The start-up lines: what runs where, from which checkpoint, and the loader's plan."""
     cfg, dist, report = run.cfg, run.dist, run.report
     restarts = distributed.restart_count()
+    again = f", restart {restarts} of torchrun" if restarts else ""
+    if not restarts and run.generation.restarted:  # a node came or went: torchrun counts no restart
+        again = ", re-formed by torchrun"
     for warning in resume_warnings:
         report.line(warning, console=False)
     if stale:
@@ -65,7 +69,7 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         f"run dir {run.run_dir}: {cfg.model.name} on {dist.world} x {dist.device.type}, {run.steps} steps of "
         f"{cfg.trainer.batch_size} per rank (global {cfg.trainer.batch_size * dist.world}), lr {run.base_lr:.4g}, "
         f"loader.mode={cfg.loader.mode.value}"
-        + (f", restart {restarts} of torchrun" if restarts else "")
+        + again
         + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
     )
     if run.on_device.amp_note:

@@ -26,11 +26,14 @@ from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_i
 from wdsdist.train import distributed, faults
 from wdsdist.train.checkpoint import (
     Checkpointer,
+    Generation,
+    begin_generation,
     load_resume,
     refuse_foreign_run_dir,
     remove_stale_tmp,
     resolve_run_dir,
     restore,
+    same_job,
     write_text,
 )
 from wdsdist.train.config import check
@@ -97,20 +100,26 @@ def in_config_terms(fn: Any, *args: Any) -> Any:
 # ---------------------------------------------------------------- setup
 
 
-def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str]]:
+def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str], Generation]:
     """The run directory, refused if it holds another run, with the synthetic data written and
-    the resolved config saved; also the stale temporary files removed from it."""
+    the resolved config saved; also the stale temporary files removed from it, and this start's
+    generation recorded in it (the fence for its writes)."""
     run_dir = resolve_run_dir(cfg, dist)
-    restarted = distributed.restart_count() > 0
+    run_id = distributed.shared_run_id()
+    restarted = distributed.restart_count() > 0 or distributed.broadcast_object(
+        same_job(run_dir, run_id) if dist.is_main else None
+    )
     on_all_ranks(lambda: refuse_foreign_run_dir(run_dir, cfg.trainer.resume, restarted) if dist.is_main else None)
     on_all_ranks(lambda: ensure_synthetic(cfg) if dist.is_main else None)
     # Before any rank writes: an unwritable outputs/ stops every rank with one line.
     on_all_ranks(lambda: make_output_folder(run_dir, "run_dir" if cfg.run_dir else "outputs") if dist.is_main else None)
     stale: list[str] = []
+    generation = None
     if dist.is_main:
+        generation = begin_generation(run_dir, run_id, restarted)
         stale = remove_stale_tmp(run_dir)
         write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
-    return run_dir, stale
+    return run_dir, stale, distributed.broadcast_object(generation)
 
 
 def build_loaders(cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None) -> tuple[Loader, Any]:
@@ -156,12 +165,13 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     """Everything before the first step. Each ``on_all_ranks`` is a collective: every rank takes
     these steps in this order."""
     started = time.perf_counter()
-    run_dir, stale = prepare_run_dir(cfg, dist)
+    run_dir, stale, generation = prepare_run_dir(cfg, dist)
+    watchdog.prefix = f"wdsdist/generation_{generation.number}"  # fresh keys for each start
     model = seeded_model(cfg, dist)
     global_batch = cfg.trainer.batch_size * dist.world
     base_lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, base_lr)
-    resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir)
+    resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir, generation.restarted)
     train_loader, eval_loader = build_loaders(cfg, dist, ckpt, resume_path)
     start = 0
     if ckpt is not None:
@@ -190,7 +200,8 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
         feed=Feed(cfg, dist, train_loader, stop, report),
         window=Window(dist),
         evaluator=Evaluator(cfg, dist, model, eval_loader, on_device, steps, report, watchdog),
-        checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog),
+        checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation),
+        generation=generation,
     )
     report_start(run, resume_warnings, stale)
     return run
@@ -226,6 +237,8 @@ def train_loop(run: Run) -> int:
     while step < run.steps:
         watchdog.beat(step, "data")
         faults.stall_for_test(run.dist.rank, step)
+        if run.generation.number == 1:
+            faults.hold_for_test(run.dist.rank, step, lambda: run.stop.requested)
         batch, wait = feed.next()
         watchdog.beat(step, "step")
         stop_all, ran_out = feed.agree(batch)
@@ -237,7 +250,7 @@ def train_loop(run: Run) -> int:
         window.add_batch(batch)
         run.report.first_images(batch["image"], step)
         loss, logits, labels = train_step(run, batch, step)
-        faults.trace_for_test(run.dist.rank, step, batch)
+        faults.trace_for_test(run.dist.rank, step, batch, run.generation.number)
         step += 1
         run.report.tick(step)
         window.add_step(loss, logits, labels, wait)
@@ -297,14 +310,19 @@ def train(cfg: DictConfig) -> dict:
         dist.rank,
         dist.world,
         cfg.trainer.timeout_s,
-        distributed.store(),
-        f"wdsdist/{distributed.restart_count()}",
+        distributed.watch_store(faults.Watchdog.period_for(cfg.trainer.timeout_s)),
+        "wdsdist/start",  # until setup() knows this start's generation
         stop,
     )
     try:
         on_all_ranks(lambda: check(cfg))
         run = setup(cfg, dist, stop, watchdog)
         return finish(run, train_loop(run))
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, DistNetworkError) are these
+        lost = distributed.peer_lost(exc, watchdog.state[1])
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         watchdog.close()
         stop.uninstall()
