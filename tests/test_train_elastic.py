@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_tiny_shards
+from tests.helpers.trace import traced
 from tests.helpers.training import load, torchrun
 from wdsdist.data.plan.order import shard_order
 from wdsdist.data.plan.splits import rank_batches
@@ -42,17 +43,6 @@ def args(index: Path, run: Path, workers: int, *extra: str) -> list[str]:
         f"run_dir={run}",
         *extra,
     ]
-
-
-def traced(where: Path, before: int | None = None) -> dict[int, list[tuple[int, list[int]]]]:
-    """rank -> [(epoch, positions)] per step it trained (those before step ``before``), in order."""
-    out = {}
-    for path in sorted(where.glob("rank-*.txt")):
-        rows = [line.split() for line in path.read_text().splitlines()]
-        out[int(path.stem[5:])] = [
-            (int(e), [int(p) for p in pos.split(",")]) for step, e, pos in rows if before is None or int(step) < before
-        ]
-    return out
 
 
 def sequence(epoch: int) -> list[int]:
@@ -93,7 +83,7 @@ def resumed(tmp_path: Path, index: Path, old, new, stop: str, done: int, ckpt: P
     second, trace = tmp_path / f"second-{stop}", tmp_path / f"trace-{stop}"
     summary = run(*new, index, second, trace, "trainer.epochs=2", f"trainer.resume={ckpt}")
     log = (second / "train.log").read_text()
-    before, after = traced(tmp_path / "trace1", done), traced(trace)
+    before, after = traced(tmp_path / "trace1" / "start-1", done), traced(trace / "start-1")
     assert sorted(before) == list(range(old[0])) and sorted(after) == list(range(new[0]))
     steps = summary["rank_steps"]
     assert len(set(steps)) == 1 and len(set(summary["rank_params"])) == 1  # every rank in step: none hung
