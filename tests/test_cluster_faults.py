@@ -244,7 +244,8 @@ def test_losing_the_node_of_rank_0_goes_on_with_a_new_rank_0_in_the_same_run_dir
     summary = s.finished(1)
     counts = s.check_delivered(summary, world=1)
     line = one_line_about(s.c.log("agent-1"), r"^error: ")
-    assert line.startswith(f"error: rank 0 on node {s.c.addr('n0')} stopped answering at step {HOLD_STEP} ("), line
+    said = f"error: rank 1: rank 0 on node {s.c.addr('n0')} stopped answering at step {HOLD_STEP} ("
+    assert line.startswith(said), line  # said by rank 1 (the prefix), about rank 0
     log = s.log()
     assert log.count(f"run dir {s.run_dir}: ") == 2 and "resumed from" in log and "done: " in log
     assert len(list(s.run_dir.glob("events.out.tfevents.*"))) >= 2  # the new rank 0 logs beside the old one
@@ -287,7 +288,7 @@ def test_a_store_down_for_good_ends_the_job_with_one_line(scenario):
     s = scenario
     s.env["WDSDIST_TEST_HOLD_STEP"] = "10"
     for node in (0, 1):
-        s.start(node, "trainer.timeout_s=60", "data.http_retry_s=10", max_restarts=0)
+        s.start(node, "trainer.timeout_s=60", "data.http_retry_s=10", "data.http_timeout=5", max_restarts=0)
     s.held(2)
     s.c.cut("store")
     s.release()
@@ -344,6 +345,9 @@ def test_losing_the_rendezvous_host_stops_every_agent_in_bounded_time(scenario):
     took = time.monotonic() - lost
     log = s.log()
     assert "stopped by SIGTERM at step" in log  # the ranks saved where they were before they went
+    for node in (0, 1):
+        line = one_line_about(s.c.log(f"agent-{node}"), r"^error: ")
+        assert line.startswith(f"error: torchrun: the rendezvous at {s.c.rendezvous} does not answer"), line
     record("rendezvous host lost", "every agent stopped; ranks checkpointed", None, note=f"{took:.0f}s")
 
 

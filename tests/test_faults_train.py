@@ -537,3 +537,22 @@ def test_the_stall_message_names_the_ranks_behind():
     )
     assert stall_message({0: (5, 2, "step"), 1: (6, 2, "step")}, 2, 9, 9).startswith("every rank stalled: ")
     assert stall_message({0: (5, 2, "step")}, 2, 9, 9).startswith("rank 1 never reached the training loop: ")
+
+
+def test_a_failed_rendezvous_is_one_line_naming_the_endpoint():
+    """./run torchrun (wdsdist.train.launch) says a lost rendezvous host in one line."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    from wdsdist.train.launch import endpoint, rendezvous_line
+
+    try:
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from RuntimeError("Broken pipe")
+    except RendezvousConnectionError as exc:
+        line = rendezvous_line(exc, ["--nnodes=1:2", "--rdzv-endpoint", "head:29400", "train.py"])
+    assert line.startswith(
+        "error: torchrun: the rendezvous at head:29400 does not answer (Broken pipe); this node stops"
+    )
+    assert "\n" not in line and line.endswith("(trainer.resume=auto continues it)")
+    timeout = rendezvous_line(RendezvousTimeoutError("late"), ["--rdzv_endpoint=h:1"])
+    assert timeout.startswith("error: torchrun: the rendezvous at h:1 did not gather the nodes in time")
+    assert endpoint(["train.py", "x=1"]) == ""

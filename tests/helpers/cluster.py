@@ -267,17 +267,17 @@ class Cluster:
         script_args: list[str],
         *,
         nnodes: str = "1:2",
+        nproc: int = 1,
         max_restarts: int = 3,
         env: dict[str, str] | None = None,
         rdzv_conf: str = FAST_RDZV,
     ) -> subprocess.Popen:
-        """Node ``node``'s torchrun agent (one rank) running train.py with ``script_args``."""
+        """Node ``node``'s torchrun agent (``nproc`` ranks) running train.py with ``script_args``."""
         who = f"n{node}"
-        torchrun = str(Path(sys.executable).parent / "torchrun")
         argv = [
-            torchrun,
+            *(sys.executable, "-m", "wdsdist.train.launch"),  # ./run torchrun's launcher
             f"--nnodes={nnodes}",
-            "--nproc_per_node=1",
+            f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}",
             "--rdzv_backend=c10d",
             f"--rdzv_endpoint={self.rendezvous}",
