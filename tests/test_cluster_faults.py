@@ -117,6 +117,15 @@ class Scenario:
         assert proc.returncode == 0, self.c.log(f"agent-{node}")[-4000:]
         return json.loads((self.run_dir / "summary.json").read_text())
 
+    def all_failed(self, timeout: float, nodes: int = 2) -> float:
+        """Until every node's agent has ended, each with a failure; the seconds it took."""
+        start = time.monotonic()
+        for node in range(nodes):
+            proc = self.c.procs[f"agent-{node}"]
+            wait_for(f"node {node}'s agent ending", lambda proc=proc: proc.poll() is not None, timeout)
+            assert proc.returncode != 0, self.c.log(f"agent-{node}")[-4000:]
+        return time.monotonic() - start
+
     def log(self) -> str:
         return (self.run_dir / "train.log").read_text()
 
@@ -292,12 +301,7 @@ def test_a_store_down_for_good_ends_the_job_with_one_line(scenario):
     s.held(2)
     s.c.cut("store")
     s.release()
-    down = time.monotonic()
-    for node in (0, 1):
-        proc = s.c.procs[f"agent-{node}"]
-        wait_for(f"node {node}'s agent ending", lambda proc=proc: proc.poll() is not None, 90)
-        assert proc.returncode != 0
-    took = time.monotonic() - down
+    took = s.all_failed(90)
     lines = [line for n in (0, 1) for line in s.c.log(f"agent-{n}").splitlines() if line.startswith("error: ")]
     store = f"http://{s.c.addr('store')}:{cluster.HTTP_PORT}"
     assert any(f"{store} does not answer" in line and "data.http_retry_s=10" in line for line in lines), lines
@@ -337,12 +341,7 @@ def test_losing_the_rendezvous_host_stops_every_agent_in_bounded_time(scenario):
     s.held(2)
     s.c.lose("rendezvous")
     s.release()
-    lost = time.monotonic()
-    for node in (0, 1):
-        proc = s.c.procs[f"agent-{node}"]
-        wait_for(f"node {node}'s agent ending", lambda proc=proc: proc.poll() is not None, 120)
-        assert proc.returncode != 0
-    took = time.monotonic() - lost
+    took = s.all_failed(120)
     log = s.log()
     assert "stopped by SIGTERM at step" in log  # the ranks saved where they were before they went
     for node in (0, 1):

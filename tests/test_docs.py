@@ -96,3 +96,30 @@ def test_every_dated_report_is_in_the_navigation():
     nav = (ROOT / "mkdocs.yml").read_text()
     missing = [p.name for p in sorted((ROOT / "bench" / "results").glob("*.md")) if f"reports/{p.name}" not in nav]
     assert missing == [], f"add these to mkdocs.yml's nav under Performance: {missing}"
+
+
+TEST_REF = re.compile(r"tests/([a-z_]\w*(?:/[a-z_]\w*)*\.py)(?:::(\w+))?")  # not a placeholder (FILE.py)
+
+
+def cited_tests(text: str) -> list[tuple[str, str | None]]:
+    """(test file, test name or None) for each tests/FILE.py[::NAME] a page cites."""
+    return [(m.group(1), m.group(2)) for m in TEST_REF.finditer(text)]
+
+
+def test_every_test_a_page_cites_exists():
+    """The reliability table holds each guarantee to a named test: a renamed or removed test
+    must not leave a guarantee pointing at nothing."""
+    wrong = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path, name in cited_tests(page.read_text()):
+            source = ROOT / "tests" / path
+            if not source.is_file():
+                wrong.append(f"{page.name}: tests/{path}")
+            elif name is not None and not re.search(rf"^(?:async )?def {name}\(", source.read_text(), re.MULTILINE):
+                wrong.append(f"{page.name}: tests/{path}::{name}")
+    assert wrong == []
+
+
+def test_the_citation_check_sees_files_and_names():
+    text = "held by `tests/test_a.py::test_b`, `tests/helpers/cluster.py`, tests/test_c.py, not tests/FILE.py::NAME."
+    assert cited_tests(text) == [("test_a.py", "test_b"), ("helpers/cluster.py", None), ("test_c.py", None)]
