@@ -556,3 +556,15 @@ def test_a_failed_rendezvous_is_one_line_naming_the_endpoint():
     timeout = rendezvous_line(RendezvousTimeoutError("late"), ["--rdzv_endpoint=h:1"])
     assert timeout.startswith("error: torchrun: the rendezvous at h:1 did not gather the nodes in time")
     assert endpoint(["train.py", "x=1"]) == ""
+
+
+def test_a_watchdog_shorter_than_a_store_outage_the_reads_ride_out_is_noted():
+    from wdsdist.train.run import outage_note
+
+    assert outage_note(8, 60, 60, "http://store:8080/train.index.json") == (
+        "note: trainer.timeout_s=8 is below data.http_timeout + data.http_retry_s (120 s): a rank riding out a "
+        "store outage that long is given up on first"
+    )
+    assert outage_note(1800, 60, 60, "s3://bucket/train-{0..9}.tar") is None  # the defaults
+    assert outage_note(8, 60, 60, "/data/train.index.json") is None  # local shards: no outage to ride out
+    assert outage_note(8, 60, 0, "http://store/x.tar") is None  # no retries

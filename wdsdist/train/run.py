@@ -74,6 +74,9 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
     )
     if run.on_device.amp_note:
         report.line(run.on_device.amp_note)
+    note = outage_note(cfg.trainer.timeout_s, cfg.data.http_timeout, cfg.data.http_retry_s, str(cfg.data.train_shards))
+    if note:
+        report.line(note)
     if cfg.trainer.resume == "auto" and run.resume_path is None:
         report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
     resize = run.feed.loader.resize
@@ -106,6 +109,18 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         )
     if run.steps > run.start:
         report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+
+
+def outage_note(timeout_s: float, http_timeout: float, http_retry_s: float, shards: str) -> str | None:
+    """A note when remote shards' reads may ride out a store outage longer than the watchdog
+    waits for a silent rank: it would give up on that rank first."""
+    rides_out = http_timeout + http_retry_s
+    if "://" not in shards or http_retry_s == 0 or timeout_s >= rides_out:
+        return None
+    return (
+        f"note: trainer.timeout_s={timeout_s:g} is below data.http_timeout + data.http_retry_s ({rides_out:g} s): "
+        f"a rank riding out a store outage that long is given up on first"
+    )
 
 
 def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
