@@ -106,8 +106,10 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str], Genera
     generation recorded in it (the fence for its writes)."""
     run_dir = resolve_run_dir(cfg, dist)
     run_id = distributed.shared_run_id()
-    restarted = distributed.restart_count() > 0 or distributed.broadcast_object(
-        same_job(run_dir, run_id) if dist.is_main else None
+    # Rank 0's answer for all: torchrun's restart counts differ between a node that lived through
+    # a failure and one that joined since, and every rank must take the same collectives below.
+    restarted = distributed.broadcast_object(
+        (distributed.restart_count() > 0 or same_job(run_dir, run_id)) if dist.is_main else None
     )
     on_all_ranks(lambda: refuse_foreign_run_dir(run_dir, cfg.trainer.resume, restarted) if dist.is_main else None)
     on_all_ranks(lambda: ensure_synthetic(cfg) if dist.is_main else None)
@@ -237,8 +239,7 @@ def train_loop(run: Run) -> int:
     while step < run.steps:
         watchdog.beat(step, "data")
         faults.stall_for_test(run.dist.rank, step)
-        if run.generation.number == 1:
-            faults.hold_for_test(run.dist.rank, step, lambda: run.stop.requested)
+        faults.hold_for_test(run.dist.rank, step, run.generation.number, lambda: run.stop.requested)
         batch, wait = feed.next()
         watchdog.beat(step, "step")
         stop_all, ran_out = feed.agree(batch)
