@@ -96,7 +96,7 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         _store[0] = store
         dist.init_process_group(
             backend=backend,
-            store=dist.PrefixStore(f"wdsdist/attempt_{restart_count()}/pg", store),
+            store=dist.PrefixStore(_group_prefix(), store),
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
@@ -110,6 +110,18 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         # Where every rank runs, so a line about a lost peer can name its rank and node.
         _peers[:] = all_gather_object((socket.gethostname(), _own_address()))
     return Dist(rank, world, local_rank, dev)
+
+
+def _group_prefix() -> str:
+    """Where this attempt's process group keeps its keys in the job's store. torchrun's agent
+    store (TORCHELASTIC_USE_AGENT_STORE=True) outlives worker restarts, and so do the addresses
+    the last attempt's ranks left in it: each attempt keeps its own prefix there. A store per
+    rendezvous round (./run torchrun's default) is new at every attempt, and there the restart
+    count, which differs between a node that lived through a failure and one that joined since,
+    must not split the ranks between two prefixes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"wdsdist/attempt_{restart_count()}/pg"
+    return "wdsdist/pg"
 
 
 def _node_error(message: str, local_rank: int) -> None:
