@@ -78,11 +78,13 @@ def wait_for(what: str, ready: Callable[[], bool], timeout: float) -> float:
 class Scenario:
     """One scenario's cluster, run directory, trace and hold file, and the checks on what it delivered."""
 
-    def __init__(self, c: Cluster, work: Path):
+    def __init__(self, c: Cluster, work: Path, hold: tuple[int, ...] = (1,)):
+        """``hold``: the starts of the job whose ranks wait before HOLD_STEP (faults.hold_for_test)."""
         self.c, self.work = c, work
         self.run_dir, self.trace, self.hold = work / "run", work / "trace", work / "hold"
         self.trace.mkdir()
-        self.hold.write_text("")
+        for start in hold:
+            Path(f"{self.hold}.g{start}").write_text("")
         self.env = {
             "WDSDIST_TEST_TRACE": str(self.trace),
             "WDSDIST_TEST_HOLD": str(self.hold),
@@ -92,16 +94,20 @@ class Scenario:
     def start(self, node: int, *extra: str, **kwargs) -> None:
         self.c.agent(node, job_args(self.c, self.run_dir, *extra), env=self.env, **kwargs)
 
-    def held(self, ranks: int) -> None:
-        """Until every rank waits before HOLD_STEP (the job formed, checkpoints up to it written)."""
+    def held(self, ranks: int, start: int = 1) -> None:
+        """Until every rank of the job's ``start``-th start waits before HOLD_STEP (the job formed,
+        checkpoints up to it written)."""
         wait_for(
-            f"{ranks} ranks held before step {HOLD_STEP}",
-            lambda: all(Path(f"{self.hold}.rank-{r}").exists() for r in range(ranks)),
+            f"{ranks} ranks of start {start} held before step {HOLD_STEP}",
+            lambda: all(Path(f"{self.hold}.g{start}.rank-{r}").exists() for r in range(ranks)),
             180,
         )
 
-    def release(self) -> None:
-        self.hold.unlink()
+    def held_pid(self, rank: int, start: int = 1) -> int:
+        return int(Path(f"{self.hold}.g{start}.rank-{rank}").read_text())
+
+    def release(self, start: int = 1) -> None:
+        Path(f"{self.hold}.g{start}").unlink()
 
     def reformed(self, start: int = 2, timeout: float = 120) -> float:
         """Seconds until the job's ``start``-th start trains its first step."""
@@ -216,7 +222,7 @@ def test_a_partitioned_node_is_given_up_on_and_writes_nothing_once_the_others_re
     # The cut-off node's rank gives up on its peer too and ends; its agent then waits on a
     # rendezvous it cannot reach (torch's agent has no bound there: the scheduler ends it, or
     # it rejoins as a new node once the link is back).
-    worker = int(Path(f"{s.hold}.rank-0").read_text())
+    worker = s.held_pid(0)
     wait_for("the cut-off node's rank ending", lambda: cluster.ended(worker), 2 * TIMEOUT_S + 30)
     cut_off_line = one_line_about(s.c.log("agent-0"), r"^error: ")
     assert cut_off_line.startswith("error: rank 1 stalled: no progress for "), cut_off_line
@@ -331,6 +337,32 @@ def test_a_node_joining_a_running_job_reforms_it_at_two_nodes_which_resume_elast
     assert "resize: 1 rank x 1 worker -> 2 ranks x 1 worker, epoch 0:" in log
     record("node joins mid-epoch", f"re-formed at 2 nodes, resumed at step {step}", recover, counts,
            note=f"{time.monotonic() - joined:.0f}s from the join to the end")  # fmt: skip
+
+
+@chaos_only
+def test_a_lost_node_replaced_by_a_new_one_reforms_at_two_nodes_again(tmp_path, served):
+    """A node is lost, the job goes on alone, then a replacement node joins (its agent started
+    afresh: torchrun's restart count differs between the two nodes) and the job re-forms at two
+    nodes: three starts, every sample once."""
+    with Cluster(2, tmp_path / "cluster", serve=served) as c:
+        s = Scenario(c, tmp_path, hold=(1, 2))
+        s.start(0)
+        s.start(1)
+        s.held(2)
+        s.c.lose("agent-1")
+        s.release()
+        s.held(1, start=2)  # re-formed alone, resumed, and waiting again before HOLD_STEP
+        s.start(1)  # the replacement; the hold ends when node 0's agent stops its rank
+        recover = s.reformed(start=3)
+        s.release(start=2)
+        summary = s.finished(0)
+        s.finished(1)
+        counts = s.check_delivered(summary, world=2)
+        log = s.log()
+        assert "restart 1 of torchrun, resumed from" in log and "resize: 2 ranks x 1 worker -> 1 rank" in log
+        assert "resize: 1 rank x 1 worker -> 2 ranks x 1 worker" in log
+        assert json.loads((s.run_dir / "job.json").read_text())["generation"] == 3
+        record("node lost, then replaced", "re-formed at 1 node, then at 2", recover, counts)
 
 
 @chaos_only

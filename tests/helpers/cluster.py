@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -312,6 +313,28 @@ class Cluster:
         )  # fmt: skip
 
 
+def clean() -> list[int]:
+    """Remove what clusters whose process died without tearing down (a killed pytest) left:
+    every slot with namespaces or links whose lock nobody holds. The slots cleaned."""
+    names = _ip("netns", "list", check=False).stdout.split() + [
+        line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show", check=False).stdout.splitlines()
+    ]
+    slots = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"wdsb?(\d+)(?:-\w+|[hsn]\d*)?", n))})
+    cleaned = []
+    for slot in slots:
+        c = Cluster(0, Path("/nonexistent"))
+        LOCKS.mkdir(parents=True, exist_ok=True)
+        with open(LOCKS / f"{slot}.lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live cluster
+            c.slot = slot
+            c._teardown()
+            cleaned.append(slot)
+    return cleaned
+
+
 # ---- the head's and the store's services, run as `python -m tests.helpers.cluster ...`
 
 
@@ -342,3 +365,5 @@ if __name__ == "__main__":
         _rendezvous(sys.argv[2])
     elif sys.argv[1] == "serve":
         _serve(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "clean":
+        print(f"cleaned slots {clean() or 'none'}")

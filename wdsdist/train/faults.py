@@ -254,17 +254,20 @@ def stall_for_test(rank: int, steps: int) -> None:
         threading.Event().wait()
 
 
-def hold_for_test(rank: int, steps: int, stop_requested: Callable[[], bool]) -> None:
-    """TEST HOOK: WDSDIST_TEST_HOLD=FILE and WDSDIST_TEST_HOLD_STEP=S make every rank of a job's
-    first start, before step S, write its pid to FILE.rank-R and wait while FILE exists and no
-    stop is requested, so a test can fault a node at a known step (tests/test_cluster_faults.py):
-    every rank is between two steps, the checkpoints before S written."""
+def hold_for_test(rank: int, steps: int, generation: int, stop_requested: Callable[[], bool]) -> None:
+    """TEST HOOK: WDSDIST_TEST_HOLD=PATH and WDSDIST_TEST_HOLD_STEP=S make every rank of the
+    job's G-th start, before step S, write its pid to PATH.gG.rank-R and wait while PATH.gG
+    exists and no stop is requested, so a test can fault a node at a known step of a known start
+    (tests/test_cluster_faults.py): every rank is between two steps, the checkpoints before S
+    written."""
     hold = os.environ.get("WDSDIST_TEST_HOLD")
-    if hold and os.environ.get("WDSDIST_TEST_HOLD_STEP") == str(steps + 1) and os.path.exists(hold):
-        with open(f"{hold}.rank-{rank}", "w", encoding="utf-8") as f:
-            f.write(f"{os.getpid()}\n")
-        while os.path.exists(hold) and not stop_requested():
-            time.sleep(0.05)
+    if hold and os.environ.get("WDSDIST_TEST_HOLD_STEP") == str(steps + 1):
+        path = f"{hold}.g{generation}"
+        if os.path.exists(path):
+            with open(f"{path}.rank-{rank}", "w", encoding="utf-8") as f:
+                f.write(f"{os.getpid()}\n")
+            while os.path.exists(path) and not stop_requested():
+                time.sleep(0.05)
 
 
 def trace_for_test(rank: int, step: int, batch: dict, generation: int) -> None:
