@@ -123,6 +123,16 @@ class Scenario:
         assert proc.returncode == 0, self.c.log(f"agent-{node}")[-4000:]
         return json.loads((self.run_dir / "summary.json").read_text())
 
+    def fault_two_nodes(self, fault: Callable[[], None], survivor: int) -> tuple[float, dict, dict]:
+        """Both nodes train; at HOLD_STEP ``fault()``; the job re-forms with ``survivor`` alone and
+        finishes. The recovery's seconds, the summary, and the delivery's counts."""
+        self.held(2)
+        fault()
+        self.release()
+        recover = self.reformed()
+        summary = self.finished(survivor)
+        return recover, summary, self.check_delivered(summary, world=1)
+
     def all_failed(self, timeout: float, nodes: int = 2) -> float:
         """Until every node's agent has ended, each with a failure; the seconds it took."""
         start = time.monotonic()
@@ -188,12 +198,7 @@ def test_a_lost_node_reforms_the_job_which_resumes_elastically_and_delivers_ever
     s = scenario
     s.start(0)
     s.start(1)
-    s.held(2)
-    s.c.lose("agent-1")  # node 1's whole tree: agent, worker, loader worker
-    s.release()
-    recover = s.reformed()
-    summary = s.finished(0)
-    counts = s.check_delivered(summary, world=1)
+    recover, summary, counts = s.fault_two_nodes(lambda: s.c.lose("agent-1"), survivor=0)  # node 1's whole tree
     survivor = s.c.log("agent-0")
     line = one_line_about(survivor, r"^error: ")
     assert re.fullmatch(
@@ -213,12 +218,7 @@ def test_a_partitioned_node_is_given_up_on_and_writes_nothing_once_the_others_re
     s = scenario
     s.start(0, rdzv_conf=cluster.FAST_RDZV + ",read_timeout=10")
     s.start(1)
-    s.held(2)
-    s.c.cut("n0")
-    s.release()
-    recover = s.reformed()
-    summary = s.finished(1)
-    counts = s.check_delivered(summary, world=1)
+    recover, summary, counts = s.fault_two_nodes(lambda: s.c.cut("n0"), survivor=1)
     # The cut-off node's rank gives up on its peer too and ends; its agent then waits on a
     # rendezvous it cannot reach (torch's agent has no bound there: the scheduler ends it, or
     # it rejoins as a new node once the link is back).
@@ -252,12 +252,7 @@ def test_losing_the_node_of_rank_0_goes_on_with_a_new_rank_0_in_the_same_run_dir
     s = scenario
     s.start(0)
     s.start(1)
-    s.held(2)
-    s.c.lose("agent-0")
-    s.release()
-    recover = s.reformed()
-    summary = s.finished(1)
-    counts = s.check_delivered(summary, world=1)
+    recover, summary, counts = s.fault_two_nodes(lambda: s.c.lose("agent-0"), survivor=1)
     line = one_line_about(s.c.log("agent-1"), r"^error: ")
     said = f"error: rank 1: rank 0 on node {s.c.addr('n0')} stopped answering at step {HOLD_STEP} ("
     assert line.startswith(said), line  # said by rank 1 (the prefix), about rank 0
