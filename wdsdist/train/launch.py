@@ -40,9 +40,9 @@ def rendezvous_line(exc: BaseException, argv: list[str]) -> str:
     cause = exc.__cause__ or exc.__context__
     why = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause).strip() else ""
     return (
-        f"error: torchrun: the rendezvous{' at ' + where if where else ''} {what}{why}; this node stops (its ranks "
-        f"were sent SIGTERM: each writes a checkpoint first where it can); start the job again once the rendezvous "
-        f"answers (trainer.resume=auto continues it)"
+        f"error: torchrun: the rendezvous{' at ' + where if where else ''} {what}{why}; this node stops (ranks it "
+        f"ran were sent SIGTERM: each writes a checkpoint first where it can); start the job again once the "
+        f"rendezvous answers (trainer.resume=auto continues it)"
     )
 
 
@@ -51,6 +51,7 @@ def main() -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
+    sys.argv[0] = "torchrun"  # its usage and errors name the command people know
     try:
         torchrun()
     except RendezvousError as exc:
