@@ -9,6 +9,7 @@ sections before anything starts, and (``parse_nbatches``) in the planner and sim
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from enum import StrEnum
@@ -88,6 +89,12 @@ class StreamOptions:
     warm_start: bool = True
     # Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves (lateread.py)
     read_late: bool = True
+    # A local folder that http(s), s3:// and gs:// shards are fetched into once per node and read from by
+    # every rank, worker and later run naming it (sources/cache.py); null: read from the store every time
+    cache_dir: str | None = None
+    # Bytes the cache may hold (an integer, or 200GB, 500MiB, ...); null: half of what the folder's cache
+    # holds plus its disk's free space, when the loader starts
+    cache_limit: int | str | None = None
 
 
 @dataclass(kw_only=True)
@@ -115,6 +122,7 @@ class LoaderConfig(SampleOptions, StreamOptions):
         if problem is not None:
             raise UserError(problem)
         self.nbatches = parse_nbatches(self.nbatches)
+        self.cache_limit = parse_bytes(self.cache_limit)
 
     @classmethod
     def from_sections(cls, *sections: Any, **given: Any) -> LoaderConfig:
@@ -137,6 +145,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
             http_retry_s=self.http_retry_s,
             s3_endpoint_url=self.s3_endpoint_url,
             gs_endpoint_url=self.gs_endpoint_url,
+            cache_dir=self.cache_dir,
+            cache_limit=parse_bytes(self.cache_limit),
         )
 
     @property
@@ -173,6 +183,42 @@ def parse_nbatches(value: int | str | None) -> int | str | None:
     if number < 1:
         raise ValueError(f"must be >= 1 or auto, got {value}")
     return number
+
+
+_UNITS = {"": 1, "b": 1} | {
+    f"{prefix}{suffix}": base**power
+    for power, prefix in enumerate("kmgtp", start=1)
+    for suffix, base in (("b", 1000), ("ib", 1024))
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*")
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A size in bytes as the cache takes it: None, or an int >= 1, given as an int, its digits, or
+    a number with a unit (KB, MB, GB, TB, PB: powers of 1000; KiB, MiB, GiB, TiB, PiB: of 1024;
+    any case). Raises ValueError saying what is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"expected bytes, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _SIZE.fullmatch(value.lower())
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(f"expected bytes such as 200GB or 500MiB, got {value!r}")
+        number = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if number < 1:
+        raise ValueError(f"must be >= 1 byte, got {value!r}")
+    return number
+
+
+def _bytes_ok(value: Any) -> bool:
+    try:
+        parse_bytes(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _nbatches_ok(value: Any) -> bool:
@@ -219,6 +265,9 @@ STREAM_RULES: tuple[Rule, ...] = (
         "does not apply to loader.mode=resampled",
     ),
     ("dsrepeat", lambda o: o.dsrepeat == 1 or o.split != Split.samples, "only applies to loader.split=shards"),
+    ("cache_dir", lambda o: o.cache_dir is None or o.cache_dir.strip() != "", "a folder, or null for no cache"),
+    ("cache_limit", lambda o: _bytes_ok(o.cache_limit), "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
+    ("cache_limit", lambda o: o.cache_limit is None or o.cache_dir is not None, "needs loader.cache_dir"),
 )
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES
 

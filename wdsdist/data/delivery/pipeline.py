@@ -60,7 +60,7 @@ from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
 from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
-from wdsdist.data.sources import opener, shardspec
+from wdsdist.data.sources import cache, opener, shardspec
 from wdsdist.data.sources.index import count_samples
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
@@ -105,6 +105,11 @@ class RankLoader:
                 if rank == 0:
                     print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
                 cfg = replace(cfg, decode_region=False)
+        if cfg.cache_dir is not None:
+            # The folder made ready once here, before the workers start: one that cannot be used
+            # is one warning line per rank, not one per worker, and the workers share this limit.
+            limit = cache.prepare(cfg.cache_dir, cfg.cache_limit)
+            cfg = replace(cfg, cache_dir=None if limit is None else cfg.cache_dir, cache_limit=limit)
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
         self.resize: Resize | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 import webdataset as wds
 
-from wdsdist.data.sources import httpopen, retry, s3open
+from wdsdist.data.sources import cache, httpopen, retry, s3open
 from wdsdist.data.tar.tarread import skip_bytes
 from wdsdist.errors import DataError
 
@@ -32,7 +32,10 @@ class Access:
 
     ``http_timeout``, ``http_min_rate`` and ``http_retry_s`` (seconds of failure a shard read
     rides out, retry.py; 0: none) hold for object stores too; ``s3_endpoint_url`` and
-    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go."""
+    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go.
+    ``cache_dir``: the node's folder that http(s), s3:// and gs:// shards are fetched into once and
+    read from (cache.py; None: none), holding at most ``cache_limit`` bytes (None: half of what
+    it holds plus the free space when it starts)."""
 
     allow_pipe: bool = False
     trust_index: bool = False
@@ -41,6 +44,8 @@ class Access:
     http_retry_s: float = 60.0
     s3_endpoint_url: str | None = None
     gs_endpoint_url: str | None = None
+    cache_dir: str | None = None
+    cache_limit: int | None = None
 
     def endpoint_url(self, url: str) -> str | None:
         """The configured endpoint of an s3:// or gs:// URL's store."""
@@ -67,7 +72,24 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
     seconds, resuming where they stopped (retry.py). ``pipe:`` runs its command
     in a shell (WebDataset's gopen) and is refused unless ``allow_pipe``. Local files honour
     WebDataset's GOPEN_BUFFER (bytes of read buffer) for slow disks.
+
+    With ``cache_dir``, an http(s), s3:// or gs:// shard is fetched whole into the node's cache
+    once (cache.py) and read from there, seeking to ``start``; where the cache cannot take it,
+    it is read from the store as without one.
     """
+    if access.cache_dir is not None and cache.cacheable(url):
+        return cache.open_cached(
+            url,
+            access.cache_dir,
+            access.cache_limit,
+            start,
+            fetch=lambda: _open_uncached(url, access, 0, None),
+            direct=lambda: _open_uncached(url, access, start, end),
+        )
+    return _open_uncached(url, access, start, end)
+
+
+def _open_uncached(url: str, access: Access, start: int, end: int | None) -> io.IOBase:
     if is_http(url):
 
         def open_http(at: int):

@@ -147,6 +147,9 @@ class Resuming(io.RawIOBase):
         self._tries, self._next_pause = 0, FIRST_PAUSE
         self._stream = None
         self._stream = self._open()
+        # The first answer's headers (Content-Length, ETag, Last-Modified): what the node cache
+        # (cache.py) checks a download against and records.
+        self.headers = getattr(self._stream, "headers", None)
 
     def readable(self) -> bool:
         return True

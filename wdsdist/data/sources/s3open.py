@@ -269,7 +269,14 @@ def open_url(
     if params and response["ResponseMetadata"]["HTTPStatusCode"] != 206:
         raw.close()
         raise OSError(f"the store ignored the byte range {params['Range']} (answered with the whole object)")
-    return io.BufferedReader(_Body(raw, Meter(timeout, min_rate), url, timeout), _BUFFER)
+    reader = io.BufferedReader(_Body(raw, Meter(timeout, min_rate), url, timeout), _BUFFER)
+    # As an http response's headers: what the node cache (cache.py) checks a download against and records.
+    reader.headers = {  # type: ignore[attr-defined]
+        "Content-Length": str(response.get("ContentLength", "")),
+        "ETag": response.get("ETag"),
+        "Last-Modified": str(response.get("LastModified") or ""),
+    }
+    return reader
 
 
 def read_capped(

@@ -4,7 +4,8 @@ for the sample-level split, where a worker starts and stops mid-shard.
 The samples before ``start`` are passed over without reading their data: a local file seeks
 past each member (only headers are read); where the index gives the shard's sample offsets
 (``Shard.offsets``), the read begins at the table's last sample at or before ``start``, with
-a seek for a local file and an http ``Range: bytes=OFF-END`` request for a URL. A compressed
+a seek for a local file (and for a remote shard in the node cache, which holds it whole) and an
+http ``Range: bytes=OFF-END`` request for a URL. A compressed
 shard, or a source that cannot seek, reads and drops them. Reading ends at the first header of
 sample ``stop``: nothing after the span is read beyond a buffer.
 """
