@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 # name -> (module, its name there)
 _EXPORTS = {
+    "CACHE_COUNTS": ("wdsdist.data.sources.cache", "CACHE_COUNTS"),
     "DataError": ("wdsdist.errors", "DataError"),
     "EvalLoader": ("wdsdist.data.loader", "EvalLoader"),
     "Loader": ("wdsdist.data.loader", "Loader"),
@@ -34,6 +35,7 @@ _EXPORTS = {
     "option_problems": ("wdsdist.data.options", "option_problems"),
 }
 __all__ = [
+    "CACHE_COUNTS",
     "DataError",
     "EvalLoader",
     "Loader",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
         option_problems,
     )
     from wdsdist.data.plan.splits import Plan
+    from wdsdist.data.sources.cache import CACHE_COUNTS
     from wdsdist.data.sources.shardspec import Shard
     from wdsdist.errors import DataError, UserError
 

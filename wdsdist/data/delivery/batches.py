@@ -12,6 +12,9 @@ import torch
 from torch.utils.data import default_collate
 
 from wdsdist.data.delivery.sharedbatches import SharedBatches, plain_copy, plain_stack
+from wdsdist.data.sources import cache
+
+NO_COUNTS = (0,) * len(cache.CACHE_COUNTS)
 
 
 def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int = 0) -> dict[str, Any]:
@@ -21,6 +24,8 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     skipped = rest[0] if rest else ((),) * len(rows)
     # skipped: per row, the runs (epoch, first seq, stop) its worker skipped before it (bad or missing samples)
     batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad, "skipped": skipped}
+    # What the node cache did in this process since its previous batch (collate runs where the shards are read)
+    batch["cache"] = cache.take_counts()
     ref = shared.fill(worker, list(images)) if shared is not None else None
     if ref is not None:
         batch["shared"] = ref
@@ -69,6 +74,7 @@ def finish_batches(
         batch["id"], batch["pos"] = split_ids(batch["id"])
         # bad: [b, 2], the samples and shard reads skipped before each row; bad_shards: their URLs
         batch["bad"], batch["bad_shards"] = bad_counts(batch["bad"])
+        batch["cache"] = torch.tensor(batch.get("cache", NO_COUNTS), dtype=torch.int64)
         opened(gate)
         yield batch
 
@@ -100,8 +106,10 @@ def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None, gate:
         opened(gate)
         keys = batch.get("key") or [None] * len(images)
         skips = batch.get("skipped") or [()] * len(images)
-        rows = zip(images, batch["label"], batch["id"], batch["bad"], keys, skips, strict=True)
-        for image, label, id_, bad, key, skipped in rows:
+        # The worker's cache counts ride on the batch's first sample, so the new batches sum to them.
+        counts = [batch.get("cache", NO_COUNTS)] + [NO_COUNTS] * (len(images) - 1)
+        rows = zip(images, batch["label"], batch["id"], batch["bad"], keys, skips, counts, strict=True)
+        for image, label, id_, bad, key, skipped, cached in rows:
             pos = id_[3] if len(id_) > 3 else -1
             yield {
                 "image": image,
@@ -111,6 +119,7 @@ def unbatch_samples(batches: Iterable[dict], shared: SharedBatches | None, gate:
                 "bad": bad,
                 "key": key,
                 "skipped": skipped,
+                "cache": cached,
             }
 
 
@@ -122,6 +131,7 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "id": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
         "pos": torch.tensor([r["pos"] for r in rows], dtype=torch.int64),
         "skipped": [r["skipped"] for r in rows],
+        "cache": torch.tensor([r.get("cache", NO_COUNTS) for r in rows], dtype=torch.int64).sum(0),
     }
     batch["bad"], batch["bad_shards"] = bad_counts([r["bad"] for r in rows])
     if rows[0]["key"] is not None:
