@@ -73,6 +73,8 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "decode_downscale": True,
         "warm_start": False,
         "read_late": False,
+        "cache_dir": str(tmp_path / "cache"),
+        "cache_limit": "500MiB",
     }
     assert sorted(changed) == sorted(names(SampleOptions)) and sorted(stream) == sorted(names(StreamOptions))
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]
@@ -80,7 +82,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     config.check(cfg)
     lcfg = loader_config(cfg, CPU, 42)
     got = {k: getattr(lcfg, k) for k in [*changed, *stream]}
-    assert got == changed | stream | {"crop_scale": (0.5, 0.9)}
+    assert got == changed | stream | {"crop_scale": (0.5, 0.9), "cache_limit": 500 << 20}
     assert (lcfg.batch_size, lcfg.workers, lcfg.seed, lcfg.pin_memory, lcfg.train) == (5, 3, 42, False, True)
 
 
@@ -96,6 +98,9 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         ("data.http_retry_s", "-1", "must be >= 0 and finite (seconds; 0: no retry)"),
         ("data.image_size", "4", "must be >= 8"),
         ("trainer.batch_size", "0", "must be >= 1"),
+        ("loader.cache_limit", "lots", "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
+        ("loader.cache_limit", "0", "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
+        ("loader.cache_limit", "20GB", "needs loader.cache_dir"),
     ],
 )
 def test_a_rule_says_the_same_from_the_command_line_and_from_python(key, value, rule):
