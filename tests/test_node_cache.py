@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import http.server
+import json
 import multiprocessing
 import os
 import re
@@ -156,6 +157,15 @@ def test_two_ranks_two_epochs_fetch_each_shard_once_and_a_second_run_fetches_non
         sent = tar_bytes(counts.sent)
         assert sent <= limit, f"{run} run: the store sent {sent} shard bytes, the data set is {dataset}"
         counts.sent.clear()
+        # What the trainer reports: every rank's cache counts summed, in summary.json and the done line.
+        reported = json.loads((tmp_path / run / "summary.json").read_text())["cache"]
+        fetched = reported["fetched_bytes"]
+        assert (reported["misses"], fetched) == ((4, sent) if run == "first" else (0, 0)), reported
+        assert reported["hits"] >= (4 if run == "first" else 8) and reported["corrupt"] == reported["bypassed"] == 0
+        assert (
+            f"node cache: {reported['hits']} hits, {reported['misses']} misses, {fetched / 1e6:.1f} MB"
+            in (tmp_path / run / "train.log").read_text()
+        )
     assert len(list(folder.glob("*.data"))) == 4
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torchvision
 
+from wdsdist.data import CACHE_COUNTS
 from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
 
@@ -126,6 +127,7 @@ class Totals:
     bad_samples: int = 0  # samples the loaders skipped
     bad_reads: int = 0  # failed shard reads (a bad shard fails on every pass over it)
     failed_shards: set[str] = field(default_factory=set)  # distinct shards that failed
+    cache: list[int] = field(default_factory=lambda: [0] * len(CACHE_COUNTS))  # the node caches' counts
 
 
 class Window:
@@ -143,6 +145,7 @@ class Window:
         self.loss, self.correct = zero.clone(), zero.clone()
         self.bad = torch.zeros(2, dtype=torch.int64)  # samples and shard reads the loader skipped
         self.failed_shards: set[str] = set()  # their URLs (a bad shard counts once, not per read)
+        self.cache = torch.zeros(len(CACHE_COUNTS), dtype=torch.int64)  # what the node cache did
         self.samples = 0
         self.wait = 0.0  # seconds spent waiting for the loader
         self.paused = 0.0  # seconds of evaluation and checkpoints, not training
@@ -152,6 +155,8 @@ class Window:
         """What the loader skipped before this batch (bad samples, failed shard reads)."""
         if "bad" in batch:
             self.bad += batch["bad"].sum(0)
+        if "cache" in batch:
+            self.cache += batch["cache"]
         self.failed_shards.update(batch.get("bad_shards", ()))
 
     def add_step(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, wait: float) -> None:
@@ -174,10 +179,11 @@ class Window:
         device, world, totals = self.dist.device, self.dist.world, self.totals
         elapsed = time.perf_counter() - self.start - self.paused
         stats = torch.stack([self.loss, self.correct, torch.tensor(self.samples, dtype=torch.float64, device=device)])
-        extra = [self.wait, elapsed, *self.bad.tolist()]
+        extra = [self.wait, elapsed, *self.bad.tolist(), *self.cache.tolist()]
         stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float64, device=device)])
         distributed.all_reduce_sum(stats)
-        loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads = stats.tolist()
+        loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads, *cache = stats.tolist()
+        totals.cache = [total + int(n) for total, n in zip(totals.cache, cache, strict=True)]
         totals.bad_samples += int(bad_samples)
         totals.bad_reads += int(bad_reads)
         if bad_reads:  # a shard failed on some rank: the one case worth gathering names for
@@ -198,6 +204,12 @@ class Window:
             "data/bad_samples": totals.bad_samples,
             "data/bad_shards": len(totals.failed_shards),
             "data/bad_shard_reads": totals.bad_reads,
+            # All ranks' node caches, since the start of this run, where one is in use.
+            **(
+                {f"cache/{name}": n for name, n in zip(CACHE_COUNTS, totals.cache, strict=True)}
+                if any(totals.cache)
+                else {}
+            ),
         }
 
 
@@ -230,5 +242,11 @@ def done_line(summary: dict) -> str:
     bad = (summary["skipped_samples"], summary["skipped_shards"], summary["skipped_shard_reads"])
     if bad[0] or bad[2]:
         parts.append(f"skipped {skipped_text(*bad, ' and')}")
+    cache = summary.get("cache")
+    if cache:
+        parts.append(
+            f"node cache: {cache['hits']} hits, {cache['misses']} misses, {cache['fetched_bytes'] / 1e6:.1f} MB "
+            f"from the store" + (f", {cache['bypassed']} reads past it" if cache["bypassed"] else "")
+        )
     parts.append(f"run dir {summary['run_dir']}")
     return ", ".join(parts)

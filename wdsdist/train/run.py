@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from wdsdist.data import CACHE_COUNTS
 from wdsdist.train import distributed, faults
 from wdsdist.train.checkpoint import Checkpointer, Generation
 from wdsdist.train.distributed import Dist
@@ -141,6 +142,8 @@ def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
         "skipped_samples": totals.bad_samples,
         "skipped_shards": len(totals.failed_shards),  # distinct shards
         "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
+        # All ranks' node caches (loader.cache_dir): hits, misses, bytes from the store, ...; None without one.
+        "cache": dict(zip(CACHE_COUNTS, totals.cache, strict=True)) if any(totals.cache) else None,
         "rank_steps": [s for s, _ in fingerprints],
         "rank_params": [f for _, f in fingerprints],
         "checkpoint": run.checkpointer.path,
