@@ -63,3 +63,35 @@ def test_the_trace_keeps_of_each_start_what_the_next_resumed_from(tmp_path: Path
     assert delivery(epochs[0], 11).exact and delivery(epochs[0], 11).padding == 1
     assert delivery([0, 1, 1], 3) == Delivery(missing=1, duplicated=1, padding=0)  # 2 lost, 1 twice: not exact
     assert not delivery([0, 1, 1], 3).exact
+
+
+def test_the_delay_relay_passes_every_byte_both_ways_in_order(tmp_path: Path):
+    """The relay a far store's latency goes through (Cluster.delay) changes nothing it carries."""
+    import functools
+    import http.server
+    import threading
+    import urllib.request
+
+    body = bytes(range(256)) * 4096  # 1 MiB: many chunks
+    (tmp_path / "shard.tar").write_bytes(body)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port: list[int] = []
+    ready = threading.Event()
+
+    def announce(p: int) -> None:
+        port.append(p)
+        ready.set()
+
+    target = ("127.0.0.1", server.server_address[1])
+    threading.Thread(target=cluster.delay_proxy, args=("127.0.0.1", 0, target, 0.01, announce), daemon=True).start()
+    assert ready.wait(30)
+    try:
+        for _ in range(2):  # two requests, each its own connection
+            with urllib.request.urlopen(f"http://127.0.0.1:{port[0]}/shard.tar", timeout=30) as response:
+                assert response.read() == body
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -29,7 +29,7 @@ from tests.conftest import ROOT
 
 SLOTS = 512  # a /24 each: 198.18.0.0/24 .. 198.19.255.0/24, all of 198.18.0.0/15
 LOCKS = Path("/run/wdsdist-cluster")
-RDZV_PORT, HTTP_PORT = 29400, 8080
+RDZV_PORT, HTTP_PORT, DELAY_PORT = 29400, 8080, 8081
 # The rendezvous settles in about a second once a node is gone (3 missed 1-second heartbeats):
 # torchrun's defaults (30 s last call, 5 s x 3 heartbeats) are for real clusters.
 FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -304,6 +304,15 @@ class Cluster:
     def heal(self, who: str) -> None:
         _ip("link", "set", self.link(who), "up")
 
+    def delay(self, seconds: float, port: int = DELAY_PORT) -> str:
+        """A relay in the store's namespace that adds ``seconds`` each way to the store's HTTP
+        (a far store's latency); the URL to read the shards through it."""
+        me = [sys.executable, "-m", "tests.helpers.cluster"]
+        target = [self.addr("store"), str(HTTP_PORT)]
+        self.spawn("store", "delay", [*me, "delay", self.addr("store"), str(port), *target, str(seconds)])
+        self.wait_listening("store", port)
+        return f"http://{self.addr('store')}:{port}"
+
     def shape(self, who: str, rate: str) -> None:
         """What ``who`` sends is limited to ``rate`` (tc tbf, e.g. "24mbit")."""
         subprocess.run(
@@ -350,6 +359,51 @@ def _rendezvous(host: str) -> None:
         time.sleep(3600)
 
 
+def delay_proxy(host: str, port: int, target: tuple[str, int], delay_s: float, ready=None) -> None:
+    """Relay TCP connections on host:port to ``target``, each chunk ``delay_s`` late in either
+    direction: the latency of a far store, which this kernel's missing netem cannot add. Chunks
+    keep their order; a connection's end is passed on once its data has been."""
+    import asyncio
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def late() -> None:
+            while (item := await queue.get()) is not None:
+                due, chunk = item
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
+
+        sender = asyncio.create_task(late())
+        try:
+            while chunk := await reader.read(1 << 16):
+                queue.put_nowait((loop.time() + delay_s, chunk))
+        except ConnectionError:
+            pass
+        queue.put_nowait(None)
+        await sender
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*target)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, host, port)
+        if ready is not None:
+            ready(server.sockets[0].getsockname()[1])
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
 def _serve(host: str, folder: str) -> None:
     import functools
     import http.server
@@ -365,5 +419,7 @@ if __name__ == "__main__":
         _rendezvous(sys.argv[2])
     elif sys.argv[1] == "serve":
         _serve(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "delay":  # HOST PORT TARGET_HOST TARGET_PORT SECONDS
+        delay_proxy(sys.argv[2], int(sys.argv[3]), (sys.argv[4], int(sys.argv[5])), float(sys.argv[6]))
     elif sys.argv[1] == "clean":
         print(f"cleaned slots {clean() or 'none'}")
