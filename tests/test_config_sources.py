@@ -64,6 +64,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "mode": "epoch",
         "split": "shards",
         "remainder": "drop",
+        "shard_order": "global",  # the default: node needs split=samples (tested below)
         "nbatches": 26,
         "dsrepeat": 3,
         "shuffle_buffer": 11,

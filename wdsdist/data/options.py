@@ -38,6 +38,15 @@ class Remainder(StrEnum):
     drop = "drop"  # split=samples: the epoch's last samples left out, down to such a multiple
 
 
+class ShardOrder(StrEnum):
+    # Hydra takes an enum by its members' names, and "global" is a keyword: the field is a str.
+    global_ = "global"  # split=samples: all shards in one order, new every epoch (seed + epoch)
+    node = "node"  # split=samples: each node keeps its shards across epochs (order.node_blocks)
+
+
+SHARD_ORDERS = tuple(o.value for o in ShardOrder)
+
+
 def default_split(mode: str, dsrepeat: int = 1) -> Split:
     """loader.split when not given: samples in epoch mode (every sample once, equal batches), except
     with dsrepeat, the shard split's own remedy; shards in repeat mode (see docs/equal-batches.md)
@@ -76,6 +85,9 @@ class StreamOptions:
     mode: LoaderMode = LoaderMode.repeat
     split: Split | None = None  # shards or samples; None: samples in epoch mode (unless dsrepeat), else shards
     remainder: Remainder = Remainder.pad  # split=samples: pad (repeat the epoch's first samples) or drop
+    # split=samples: global (one shard order, new every epoch) or node (each node reads its own shards
+    # every epoch, in a new order: with loader.cache_dir, a run fetches the data set about once)
+    shard_order: str = "global"
     nbatches: int | str | None = None  # epoch mode: cut every rank to N batches, or auto (the most all deliver)
     dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
     shuffle_buffer: int = 1000  # raw samples per worker; 0: off
@@ -110,6 +122,9 @@ class LoaderConfig(SampleOptions, StreamOptions):
     reuse_buffers: bool = True  # workers stack batches into shared buffers they reuse (sharedbatches)
     with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
     trace: bool = False  # print every shard open and close (simdist --showopen)
+    # Ranks that share a node, and so its cache: torchrun's LOCAL_WORLD_SIZE, given by the caller (the
+    # trainer); loader.shard_order=node keeps shards per node of these
+    node_ranks: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -152,9 +167,7 @@ class LoaderConfig(SampleOptions, StreamOptions):
     @property
     def by_samples(self) -> bool:
         """split=samples in effect: given, or the default for this mode (``default_split``)."""
-        if self.mode == LoaderMode.resampled:
-            return False
-        return (self.split or default_split(self.mode, self.dsrepeat)) == Split.samples
+        return _samples_split(self)
 
     @property
     def rebatch(self) -> bool:
@@ -229,6 +242,12 @@ def _nbatches_ok(value: Any) -> bool:
     return True
 
 
+def _samples_split(o: Any) -> bool:
+    """split=samples in effect on a section, a LoaderConfig or a Hydra node: given, or the default
+    for its mode (``default_split``); never in resampled mode."""
+    return o.mode != LoaderMode.resampled and (o.split or default_split(o.mode, o.dsrepeat)) == Split.samples
+
+
 def _crop_scale_ok(scale: Any) -> bool:
     return len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1
 
@@ -268,8 +287,15 @@ STREAM_RULES: tuple[Rule, ...] = (
     ("cache_dir", lambda o: o.cache_dir is None or o.cache_dir.strip() != "", "a folder, or null for no cache"),
     ("cache_limit", lambda o: _bytes_ok(o.cache_limit), "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
     ("cache_limit", lambda o: o.cache_limit is None or o.cache_dir is not None, "needs loader.cache_dir"),
+    ("shard_order", lambda o: o.shard_order in SHARD_ORDERS, "global or node"),
+    (
+        "shard_order",
+        lambda o: o.shard_order != ShardOrder.node or _samples_split(o),
+        "only applies with loader.split=samples (the epoch default; give it in repeat mode)",
+    ),
 )
-LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES
+LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
+LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
 
 
 def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterator[str]:

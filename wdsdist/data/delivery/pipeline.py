@@ -58,6 +58,7 @@ from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
+from wdsdist.data.plan.order import order_nodes
 from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
 from wdsdist.data.sources import cache, opener, shardspec
@@ -113,6 +114,8 @@ class RankLoader:
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
         self.resize: Resize | None = None
+        self.nodes = order_nodes(cfg.shard_order, world, cfg.node_ranks) if cfg.by_samples else 1
+        same_layout = bool(state) and "resize" not in state
         if state and "resize" in state:
             # Every old rank's state, from a checkpoint of another layout: re-split here, where
             # the shards' counts are known (the same result on every rank).
@@ -137,6 +140,13 @@ class RankLoader:
         self.elastic: dict[int, Ranges] = {
             int(e): tuple((int(a), int(b)) for a, b in r) for e, r in ((state or {}).get("elastic") or {}).items()
         }
+        # split=samples: epoch -> the node blocks of the shard order it began in, where that is
+        # not this layout's (loader.shard_order=node, resumed on another node count): an epoch
+        # in flight keeps its order, since its positions name samples through it.
+        self.orders: dict[int, int] = {int(e): int(n) for e, n in ((state or {}).get("orders") or {}).items()}
+        if same_layout and point is not None and int(state.get("nodes", 1)) != self.nodes:
+            for epoch in {point.epoch, *(e for epochs in point.workers.values() for e in epochs)}:
+                self.orders.setdefault(epoch, int(state.get("nodes", 1)))
         self.tracker = ConsumedTracker(point.epoch if point else 0)
         if point is not None:
             self.tracker.load(point, int(state.get("batches", 0)))
@@ -149,7 +159,7 @@ class RankLoader:
         # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
         warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
         gate = multiprocessing.get_context().Event() if warm else None
-        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate, transform)
+        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate, transform, self.orders)
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,
@@ -237,6 +247,10 @@ class RankLoader:
             epochs = [entry[0] for entry in self.tracker.open.values()]
             low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
             elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
+            orders = {str(e): n for e, n in self.orders.items() if e >= low}
+            state["nodes"] = self.nodes  # the node blocks of this layout's shard order (1: global)
+            if orders:
+                state["orders"] = orders
             if elastic:
                 # The same on every rank, and as long as the shuffle buffers' pending items: one
                 # copy per checkpoint (elastic.rank_state puts it back in the others').
@@ -287,6 +301,7 @@ def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equa
     if cfg.mode == "resampled":
         return None
     if cfg.by_samples:
+        order_nodes(cfg.shard_order, world, cfg.node_ranks)  # whole nodes, or refused in one line
         p = plan_samples(
             [s.nsamples or 0 for s in counted_shards(shards, cfg)],
             world,

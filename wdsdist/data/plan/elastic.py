@@ -4,7 +4,9 @@ rank's state on a new layout (another world size and/or worker count).
 The interrupted epoch's remaining positions are worked out from all old ranks' states (each old
 worker's seq-based progress mapped to span positions by replaying its shuffle:
 ``resume.saved_progress``), as ranges; the new rank's loader re-splits them by the equal-batches
-rule (``resume.resplit_pieces``) and goes on with whole epochs on the new layout. Every rank
+rule (``resume.resplit_pieces``), read through the shard order the epoch began in (with
+loader.shard_order=node, the old node count's: state "orders"), and goes on with whole epochs on
+the new layout, in its own order. Every rank
 computes the same from the same checkpoint, so they agree without talking. The state stays
 O(ranks x workers) ranges; the replay costs O(samples of the epoch) time once, at startup.
 """
@@ -169,4 +171,8 @@ def resize_state(
     state: dict = {"point": ResumePoint(start).state(), "batches": 0}
     if resplit:
         state["elastic"] = {str(e): [list(r) for r in ranges] for e, ranges in resplit}
+        # A re-split epoch's positions name samples through the shard order it began in: with
+        # loader.shard_order=node, that of the old node count (older states: the global order).
+        saved_orders = first.get("orders") or {}
+        state["orders"] = {str(e): int(saved_orders.get(str(e), first.get("nodes", 1))) for e, _ in resplit}
     return state, info
