@@ -21,7 +21,7 @@ from wdsdist.errors import UserError
 from wdsdist.train import config
 from wdsdist.train.trainer import loader_config
 
-CPU = types.SimpleNamespace(device=torch.device("cpu"))
+CPU = types.SimpleNamespace(device=torch.device("cpu"), local_world=1)
 
 
 def names(cls: type) -> list[str]:
@@ -85,6 +85,20 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     got = {k: getattr(lcfg, k) for k in [*changed, *stream]}
     assert got == changed | stream | {"crop_scale": (0.5, 0.9), "cache_limit": 500 << 20}
     assert (lcfg.batch_size, lcfg.workers, lcfg.seed, lcfg.pin_memory, lcfg.train) == (5, 3, 42, False, True)
+
+
+def test_the_node_order_and_the_ranks_per_node_reach_the_loader():
+    """loader.shard_order=node from the command line; the ranks per node from torchrun's
+    LOCAL_WORLD_SIZE, which Dist carries (wdsdist/train/distributed.py reads it)."""
+    cfg = compose_config(
+        ["loader.mode=epoch", "loader.shard_order=node", "trainer.batch_size=5", "data.synthetic=null"]
+    )
+    config.check(cfg)
+    lcfg = loader_config(cfg, types.SimpleNamespace(device=torch.device("cpu"), local_world=8), 0)
+    assert (lcfg.shard_order, lcfg.node_ranks, lcfg.by_samples) == ("node", 8, True)
+    wrong = compose_config(["loader.mode=repeat", "loader.shard_order=node", "data.synthetic=null"])
+    with pytest.raises(UserError, match=r"loader.shard_order=node: only applies with loader.split=samples"):
+        config.check(wrong)
 
 
 @pytest.mark.parametrize(

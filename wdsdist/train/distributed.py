@@ -26,6 +26,7 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
+    local_world: int = 1  # the ranks on this node (LOCAL_WORLD_SIZE): they share its shard cache
 
     @property
     def is_main(self) -> bool:
@@ -47,7 +48,7 @@ def under_torchrun() -> bool:
 # init is one long function: it is the one place that reads torchrun's variables and
 # starts the process groups, and its steps must run in this order (set_device before NCCL's init).
 def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
-    """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun) and initialise the process group.
+    """Read RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (set by torchrun) and initialise the process group.
 
     ``device``: auto (CUDA when available; an error where an NVIDIA driver is loaded that this
     torch build cannot use), cuda or cpu. LOCAL_RANK picks the GPU; the backend
@@ -59,8 +60,9 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         raise UserError(f"trainer.device={device!r}: must be auto, cuda or cpu")
     if under_torchrun():
         rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+        local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else 1
     else:
-        rank, world, local_rank = 0, 1, 0
+        rank, world, local_rank, local_world = 0, 1, 0, 1
     driver = _read_driver_text()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if (device == "cuda" or (device == "auto" and driver is not None)) and not torch.cuda.is_available():
@@ -109,7 +111,7 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
             _control[0] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         # Where every rank runs, so a line about a lost peer can name its rank and node.
         _peers[:] = all_gather_object((socket.gethostname(), _own_address()))
-    return Dist(rank, world, local_rank, dev)
+    return Dist(rank, world, local_rank, dev, local_world)
 
 
 def _group_prefix() -> str:

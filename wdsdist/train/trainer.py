@@ -73,10 +73,17 @@ def ensure_synthetic(cfg: DictConfig) -> None:
 
 
 def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
-    # data and loader extend the loader's own option classes: their fields pass over by name.
+    # data and loader extend the loader's own option classes: their fields pass over by name. The
+    # ranks per node (loader.shard_order=node keeps shards per node) come from torchrun, via Dist.
     t = cfg.trainer
     return LoaderConfig.from_sections(
-        cfg.data, cfg.loader, batch_size=t.batch_size, workers=t.workers, seed=seed, pin_memory=d.device.type == "cuda"
+        cfg.data,
+        cfg.loader,
+        batch_size=t.batch_size,
+        workers=t.workers,
+        seed=seed,
+        pin_memory=d.device.type == "cuda",
+        node_ranks=d.local_world,
     )
 
 
