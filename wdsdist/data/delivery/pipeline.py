@@ -383,6 +383,7 @@ def make_eval_loader(
         cfg,
         mode="epoch",
         split=Split.shards,  # every sample once, no padding: ranks may differ (sums are all-reduced)
+        shard_order="global",  # whole shards per rank: no sample sequence to keep per node
         train=False,
         partial=True,
         nbatches=None,
