@@ -24,7 +24,7 @@ from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.elastic import rank_state
-from wdsdist.data.plan.order import epoch_order, node_blocks, order_nodes, shard_order
+from wdsdist.data.plan.order import GLOBAL, epoch_order, node_blocks, node_order, order_nodes, shard_order
 from wdsdist.data.plan.splits import plan_samples, rank_batches
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
@@ -39,11 +39,15 @@ def cfg(**kw):
     return LoaderConfig(**(base | {"shard_order": "node"} | kw))
 
 
-def sequence_keys(counts, nodes, seed, epoch):
+def layout_order(counts, world, node_ranks, bs, shard_order="node"):
+    return node_order(shard_order, sum(counts), world, node_ranks, bs, "pad")
+
+
+def sequence_keys(counts, order, seed, epoch):
     """The keys of the epoch's sample sequence by hand: shards in the node order, samples in
     shard order (write_tiny_shards numbers keys over the shard list)."""
     first = list(itertools.accumulate(counts, initial=0))
-    order = epoch_order(node_blocks(counts, nodes, seed), seed, epoch)
+    order = epoch_order(node_blocks(counts, order, seed), seed, epoch)
     return [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
 
 
@@ -57,17 +61,23 @@ LAYOUTS = [
     ([1251 + (i * 37) % 21 - 10 for i in range(1000)], 8, 8, 32, 7),
     ([0, 5, 0, 40, 3, 3, 3, 3, 3, 3], 2, 3, 1, 2),  # empty shards, one shard larger than a node's share
     (list(range(1, 30)), 5, 1, 2, 9),
+    ([10] * 64, 4, 4, 7, 4),  # padding (32 samples) larger than a shard
 ]
 
 
 @pytest.mark.parametrize("counts,nodes,per_node,bs,seed", LAYOUTS)
 def test_the_node_order_keeps_shards_on_their_node_balanced_and_under_their_ranks(counts, nodes, per_node, bs, seed):
     total, world, biggest = sum(counts), nodes * per_node, max(counts)
-    blocks = node_blocks(counts, nodes, seed)
+    order = layout_order(counts, world, per_node, bs)
+    span = order[1]  # samples of a node's ranks' spans
+    assert order == (nodes, rank_batches(total, world, bs, "pad") * bs * per_node)
+    blocks = node_blocks(counts, order, seed)
     assert sorted(i for b in blocks for i in b) == list(range(len(counts)))  # each shard on one node
-    for block in blocks:  # each node its share give or take one shard's count
-        assert abs(sum(counts[i] for i in block) - total / nodes) <= biggest
     cuts = list(itertools.accumulate((sum(counts[i] for i in b) for b in blocks), initial=0))
+    for node in range(1, nodes):  # every cut within half a shard of the nodes' span boundary
+        assert abs(cuts[node] - min(node * span, total)) <= biggest / 2
+    for node in range(nodes - 1):  # so each node holds its span's samples give or take a shard
+        assert abs(cuts[node + 1] - cuts[node] - min(span, total - node * span)) <= biggest
     for epoch in range(3):
         order = epoch_order(blocks, seed, epoch)
         assert sorted(order) == list(range(len(counts)))  # a permutation
@@ -86,8 +96,8 @@ def test_the_node_order_keeps_shards_on_their_node_balanced_and_under_their_rank
             # What a rank reads of other nodes' shards lies at its span's ends, never in its middle.
             home = [i for i, at_home in enumerate(runs) if at_home]
             assert not home or all(runs[home[0] : home[-1] + 1])
-        # The edges: half a shard at each cut, plus the padding's drift of the spans.
-        assert foreign <= biggest + 2 * p.padded
+        # The edges: half a shard at each cut; the last node also reads the padding.
+        assert foreign <= (biggest / 2 + p.padded if node == nodes - 1 else biggest)
         foreign_all += foreign
     if len(counts) >= 1000:
         assert foreign_all < 0.01 * total  # at scale almost every sample is read on its node
@@ -95,8 +105,9 @@ def test_the_node_order_keeps_shards_on_their_node_balanced_and_under_their_rank
 
 def test_one_node_is_the_global_order_and_shard_order_global_ignores_the_nodes():
     for epoch in range(4):
-        assert epoch_order(node_blocks(COUNTS, 1, 3), 3, epoch) == shard_order(range(len(COUNTS)), 3, epoch, 1)
+        assert epoch_order(node_blocks(COUNTS, GLOBAL, 3), 3, epoch) == shard_order(range(len(COUNTS)), 3, epoch, 1)
     assert order_nodes("global", 6, 4) == 1 and order_nodes("node", 8, 4) == 2 and order_nodes("node", 3, 1) == 3
+    assert layout_order(COUNTS, 8, 4, 3, "global") == layout_order(COUNTS, 4, 4, 3) == GLOBAL
 
 
 def test_a_layout_the_node_order_cannot_take_is_refused_in_one_line(tiny_shards):
@@ -135,7 +146,8 @@ def test_two_nodes_of_two_ranks_deliver_every_key_once_per_epoch_but_the_padding
     c = cfg(node_ranks=2, workers=workers)
     loaders = [Loader(spec, c, rank=r, world=world) for r in range(world)]
     k = rank_batches(sum(COUNTS), world, bs, "pad")
-    blocks = node_blocks(COUNTS, 2, c.seed)
+    order = layout_order(COUNTS, world, 2, bs)
+    blocks = node_blocks(COUNTS, order, c.seed)
     first = list(itertools.accumulate(COUNTS, initial=0))
     shard_of = {f"s{first[i] + j:07d}": i for i in range(len(COUNTS)) for j in range(COUNTS[i])}
     read = [set(), set()]  # the shards each node read, over the epochs
@@ -147,7 +159,7 @@ def test_two_nodes_of_two_ranks_deliver_every_key_once_per_epoch_but_the_padding
             got = [key for b in batches for key in b["key"]]
             keys.update(got)
             read[rank // 2].update(shard_of[key] for key in got)
-        sequence = sequence_keys(COUNTS, 2, c.seed, epoch)
+        sequence = sequence_keys(COUNTS, order, c.seed, epoch)
         padding = k * world * bs - len(sequence)
         assert keys == Counter(sequence) + Counter(sequence[:padding])
     for node in range(2):  # a node's reads stay in its block but for the edges of the spans
@@ -159,7 +171,7 @@ def test_a_training_config_with_the_node_order_evaluates_whole_shards_per_rank(t
     a config that trains with it still evaluates, every key once over the ranks."""
     spec = str(tiny_shards(COUNTS))
     keys = [k for r in range(2) for b in EvalLoader(spec, cfg(node_ranks=1), rank=r, world=2) for k in b["key"]]
-    assert sorted(keys) == sorted(sequence_keys(COUNTS, 1, 0, 0))
+    assert sorted(keys) == sorted(sequence_keys(COUNTS, GLOBAL, 0, 0))
 
 
 # ---------------------------------------------------------------- (c) two nodes, two caches, one store
@@ -246,10 +258,10 @@ def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tm
     assert all(isinstance(r, list) for r in results.values()), results
     sent = {}
     for job, (order, (_, counted)) in enumerate(runs.items()):
-        nodes_count = order_nodes(order, 2, 1)
+        epoch_layout = layout_order(counts, 2, 1, 4, order)
         for epoch in range(3):  # every epoch exact: no padding in this layout
             keys = results[0][job][epoch] + results[1][job][epoch]
-            assert Counter(keys) == Counter(sequence_keys(counts, nodes_count, 3, epoch))
+            assert Counter(keys) == Counter(sequence_keys(counts, epoch_layout, 3, epoch))
         sent[order] = sum(n for path, n in counted.items() if path.endswith(".tar"))
     print(f"store sent over 3 epochs: {sent} bytes; the data set is {dataset} bytes")
     assert dataset <= sent["node"] <= 1.1 * dataset
@@ -284,17 +296,18 @@ def test_a_resume_on_another_node_count_delivers_the_interrupted_epoch_once(
     tiny_shards, old_world, old_per, old_workers, world, per, workers, at
 ):
     spec, total, bs = str(tiny_shards(COUNTS)), sum(COUNTS), 3
-    old_nodes, nodes = old_world // old_per, world // per
+    old_order, new_order = layout_order(COUNTS, old_world, old_per, bs), layout_order(COUNTS, world, per, bs)
+    assert old_order != new_order
     before, states = run_layout(spec, old_world, old_workers, old_per, None, at)
-    assert all(s["nodes"] == old_nodes for s in states)
+    assert all(s["order"] == list(old_order) for s in states)
     resized = [{"resize": states}] if (world, workers) != (old_world, old_workers) else states
     # Part of the rest, a checkpoint on the new layout, then the rest of the epoch from it: the
     # interrupted epoch keeps the old order through both resumes.
     middle, states2 = run_layout(spec, world, workers, per, resized, 1)
-    assert all(s["orders"] == {"0": old_nodes} for s in states2)
+    assert all(s["orders"] == {"0": list(old_order)} for s in states2)
     after, states3 = run_layout(spec, world, workers, per, states2)
     assert all(s["point"]["epoch"] == 1 and "orders" not in s for s in states3)
-    sequence = sequence_keys(COUNTS, old_nodes, 3, 0)
+    sequence = sequence_keys(COUNTS, old_order, 3, 0)
     positions, keys = [], Counter()
     for part in (before, middle, after):
         for batches in part:
@@ -308,6 +321,6 @@ def test_a_resume_on_another_node_count_delivers_the_interrupted_epoch_once(
     # The next epoch is whole, in the new node count's order.
     nxt, _ = run_layout(spec, world, workers, per, states3)
     got = Counter(k for batches in nxt for b in batches for k in b["key"])
-    new = sequence_keys(COUNTS, nodes, 3, 1)
+    new = sequence_keys(COUNTS, new_order, 3, 1)
     padding = rank_batches(total, world, bs, "pad") * world * bs - total
     assert got == Counter(new) + Counter(new[:padding])

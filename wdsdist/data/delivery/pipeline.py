@@ -58,7 +58,7 @@ from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
-from wdsdist.data.plan.order import order_nodes
+from wdsdist.data.plan.order import GLOBAL, NodeOrder, node_order, order_nodes
 from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
 from wdsdist.data.sources import cache, opener, shardspec
@@ -114,7 +114,6 @@ class RankLoader:
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
         self.resize: Resize | None = None
-        self.nodes = order_nodes(cfg.shard_order, world, cfg.node_ranks) if cfg.by_samples else 1
         same_layout = bool(state) and "resize" not in state
         if state and "resize" in state:
             # Every old rank's state, from a checkpoint of another layout: re-split here, where
@@ -143,10 +142,16 @@ class RankLoader:
         # split=samples: epoch -> the node blocks of the shard order it began in, where that is
         # not this layout's (loader.shard_order=node, resumed on another node count): an epoch
         # in flight keeps its order, since its positions name samples through it.
-        self.orders: dict[int, int] = {int(e): int(n) for e, n in ((state or {}).get("orders") or {}).items()}
-        if same_layout and point is not None and int(state.get("nodes", 1)) != self.nodes:
+        self.orders: dict[int, NodeOrder] = {
+            int(e): (int(o[0]), int(o[1])) for e, o in ((state or {}).get("orders") or {}).items()
+        }
+        saved_order = tuple(int(n) for n in (state or {}).get("order", GLOBAL))
+        own = GLOBAL
+        if self.counts is not None:
+            own = node_order(cfg.shard_order, sum(self.counts), world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
+        if same_layout and point is not None and saved_order != own:
             for epoch in {point.epoch, *(e for epochs in point.workers.values() for e in epochs)}:
-                self.orders.setdefault(epoch, int(state.get("nodes", 1)))
+                self.orders.setdefault(epoch, saved_order)  # type: ignore[arg-type]
         self.tracker = ConsumedTracker(point.epoch if point else 0)
         if point is not None:
             self.tracker.load(point, int(state.get("batches", 0)))
@@ -247,8 +252,8 @@ class RankLoader:
             epochs = [entry[0] for entry in self.tracker.open.values()]
             low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
             elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
-            orders = {str(e): n for e, n in self.orders.items() if e >= low}
-            state["nodes"] = self.nodes  # the node blocks of this layout's shard order (1: global)
+            orders = {str(e): list(o) for e, o in self.orders.items() if e >= low}
+            state["order"] = list(self.dataset.order)  # what this layout's shard order keeps blocks by
             if orders:
                 state["orders"] = orders
             if elastic:

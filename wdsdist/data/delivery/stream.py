@@ -30,7 +30,7 @@ from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.warmstart import WarmStart, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.plan.order import epoch_order, node_blocks, order_nodes, shard_order
+from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order
 from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
 from wdsdist.data.sources.opener import open_shard
@@ -133,7 +133,7 @@ class ShardStream(IterableDataset):
         elastic: dict[int, Ranges] | None = None,
         gate: Any | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        orders: dict[int, int] | None = None,
+        orders: dict[int, NodeOrder] | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -149,11 +149,14 @@ class ShardStream(IterableDataset):
         self.gate = gate  # loader.warm_start: set when worker 0's first batch is made (warmstart.py)
         self.warmed = False  # in each worker: its first batch was begun
         self.transform = transform  # the caller's, on each training image after its crop and flip
-        # split=samples: the node blocks the epoch's shard order keeps (1: the global order), and
+        # split=samples: the node blocks the epoch's shard order keeps (order.node_order), and
         # epoch -> those of the layout an epoch in flight began on (resumed on another one)
-        self.nodes = order_nodes(cfg.shard_order, world, cfg.node_ranks)
+        self.order = GLOBAL
+        if cfg.by_samples:
+            total = sum(s.nsamples or 0 for s in self.all_shards)
+            self.order = node_order(cfg.shard_order, total, world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
         self.orders = orders or {}
-        self.blocks: dict[int, tuple[tuple[int, ...], ...]] = {}  # nodes -> node_blocks, made once
+        self.blocks: dict[NodeOrder, tuple[tuple[int, ...], ...]] = {}  # made once per order
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
         """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
@@ -172,10 +175,10 @@ class ShardStream(IterableDataset):
         each marked with its position in it; a position the read did not deliver (the shard
         failed, or held fewer samples than its count) comes as a FAILED placeholder."""
         cfg, shards = self.cfg, self.all_shards
-        nodes = self.orders.get(epoch, self.nodes)
-        if nodes not in self.blocks:
-            self.blocks[nodes] = node_blocks([s.nsamples or 0 for s in shards], nodes, cfg.seed)
-        order = epoch_order(self.blocks[nodes], cfg.seed, epoch)
+        key = self.orders.get(epoch, self.order)
+        if key not in self.blocks:
+            self.blocks[key] = node_blocks([s.nsamples or 0 for s in shards], key, cfg.seed)
+        order = epoch_order(self.blocks[key], cfg.seed, epoch)
         cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
         for slot, first, last, position in self._pieces(cumulative, worker, nworkers, epoch):
             shard = shards[order[slot]]

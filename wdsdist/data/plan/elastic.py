@@ -5,7 +5,7 @@ The interrupted epoch's remaining positions are worked out from all old ranks' s
 worker's seq-based progress mapped to span positions by replaying its shuffle:
 ``resume.saved_progress``), as ranges; the new rank's loader re-splits them by the equal-batches
 rule (``resume.resplit_pieces``), read through the shard order the epoch began in (with
-loader.shard_order=node, the old node count's: state "orders"), and goes on with whole epochs on
+loader.shard_order=node, the old layout's: state "orders"), and goes on with whole epochs on
 the new layout, in its own order. Every rank
 computes the same from the same checkpoint, so they agree without talking. The state stays
 O(ranks x workers) ranges; the replay costs O(samples of the epoch) time once, at startup.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.plan.order import iter_shuffled_offsets
+from wdsdist.data.plan.order import GLOBAL, iter_shuffled_offsets
 from wdsdist.data.plan.resume import (
     Ranges,
     ResumePoint,
@@ -172,7 +172,7 @@ def resize_state(
     if resplit:
         state["elastic"] = {str(e): [list(r) for r in ranges] for e, ranges in resplit}
         # A re-split epoch's positions name samples through the shard order it began in: with
-        # loader.shard_order=node, that of the old node count (older states: the global order).
-        saved_orders = first.get("orders") or {}
-        state["orders"] = {str(e): int(saved_orders.get(str(e), first.get("nodes", 1))) for e, _ in resplit}
+        # loader.shard_order=node, that of the old layout (older states: the global order).
+        saved_orders, saved_order = first.get("orders") or {}, first.get("order", list(GLOBAL))
+        state["orders"] = {str(e): [int(n) for n in saved_orders.get(str(e), saved_order)] for e, _ in resplit}
     return state, info

@@ -12,6 +12,7 @@ from typing import TypeVar
 import webdataset as wds
 
 from wdsdist.data.options import LoaderConfig, ShardOrder
+from wdsdist.data.plan.splits import rank_batches
 from wdsdist.errors import UserError
 
 T = TypeVar("T")
@@ -30,9 +31,9 @@ def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> li
 
 
 def order_nodes(shard_order: str, world: int, node_ranks: int) -> int:
-    """The number of blocks an epoch's shard order keeps shards in (epoch_order): the nodes with
-    loader.shard_order=node (``world`` ranks, ``node_ranks`` of them on each node, so rank r is on
-    node r // node_ranks, as torchrun numbers them), 1 with the global order."""
+    """The nodes an epoch's shard order keeps blocks for (epoch_order): with
+    loader.shard_order=node, ``world`` ranks on nodes of ``node_ranks`` (rank r is on node
+    r // node_ranks, as torchrun numbers them); 1 with the global order."""
     if shard_order != ShardOrder.node:
         return 1
     if node_ranks < 1 or world % node_ranks:
@@ -43,28 +44,45 @@ def order_nodes(shard_order: str, world: int, node_ranks: int) -> int:
     return world // node_ranks
 
 
-def node_blocks(counts: Sequence[int], nodes: int, seed: int) -> tuple[tuple[int, ...], ...]:
+NodeOrder = tuple[int, int]  # (nodes, samples of each node's span): what node_blocks cuts by
+GLOBAL: NodeOrder = (1, 0)  # one block of every shard: the global order
+
+
+def node_order(shard_order: str, total: int, world: int, node_ranks: int, batch_size: int, remainder: str) -> NodeOrder:
+    """What a layout's epoch order keeps its blocks by: its nodes, and the samples the equal rank
+    spans give each node (its ranks' spans, contiguous: rank_batches x batch size x ranks per
+    node). A loader state keeps it, so an epoch resumed on another layout is read in its order."""
+    nodes = order_nodes(shard_order, world, node_ranks)
+    if nodes == 1:
+        return GLOBAL
+    return nodes, rank_batches(total, world, batch_size, remainder) * batch_size * node_ranks
+
+
+def node_blocks(counts: Sequence[int], order: NodeOrder, seed: int) -> tuple[tuple[int, ...], ...]:
     """The shards each node keeps across epochs (loader.shard_order=node), as sorted indices.
 
-    The shards, in an order seeded by ``seed`` and the node count, are cut into ``nodes``
-    contiguous runs where their samples cross each node's share (a shard goes where its middle
-    falls): every node holds its share of the samples give or take one shard's count, and every
-    cut lies within half a shard of an even share's, so the equal rank spans cut from the
-    epoch's sequence stay in their node's block but at its edges (and the padding). The
-    assignment depends only on the counts, the node count and the seed: a resume on another node
-    count re-assigns once, the same on every rank, and every later epoch follows from it."""
+    The shards, in an order seeded by ``seed`` and the node count, are cut into one contiguous
+    run per node where their samples cross the nodes' span boundaries (a shard goes where its
+    middle falls). So every cut lies within half a shard of where the equal rank spans of every
+    epoch's sequence pass from one node to the next, and each node holds its span's samples give
+    or take a shard: its ranks read their own block but at its edges. The last node holds the
+    rest, less than its span by the padding, which it reads from the first node's block (the
+    sequence's first samples). Cutting at even shares of the data set instead would misalign
+    each node by its share of the padding, up to world x batch size samples on the last.
+    The assignment depends on the counts, the layout and the seed only: a resume on another
+    layout re-assigns once, the same on every rank, and every later epoch follows from it."""
+    nodes, span = order
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     if nodes == 1:
         return (tuple(range(len(counts))),)
     shards = list(range(len(counts)))
     random.Random(f"{seed}:nodes:{nodes}").shuffle(shards)
-    total, before = sum(counts), 0
+    before = 0
     blocks: list[list[int]] = [[] for _ in range(nodes)]
     for i in shards:
         middle2 = 2 * before + counts[i]  # twice the shard's middle, in samples
-        node = min(nodes - 1, middle2 * nodes // (2 * total)) if total else 0
-        blocks[node].append(i)
+        blocks[min(nodes - 1, middle2 // (2 * span)) if span > 0 else 0].append(i)
         before += counts[i]
     return tuple(tuple(sorted(b)) for b in blocks)
 
