@@ -12,6 +12,8 @@ simdist.py --split samples                  # equal spans of samples: SUCCESS, 2
 simdist.py --plan --split samples --resize-at 13 --to-size 2 --to-nworkers 1   # an elastic resume mid-epoch
 simdist.py --shards data/shards/imagenet-train.index.json --size 16 --nworkers 8 --batch-size 256
 simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nworkers 8 --batch-size 64
+simdist.py --plan --split samples --nshards 1281 --size 256 --node-ranks 8 --nepochs 3 \
+    --shard-bytes 100MB --cache-size 200GB --shard-order node   # what the store sends each node, per epoch
 """
 
 from __future__ import annotations
@@ -20,13 +22,20 @@ import argparse
 import sys
 
 from wdsdist import simdist
-from wdsdist.data.options import parse_nbatches
+from wdsdist.data.options import parse_bytes, parse_nbatches
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 
 
 def nbatches(text: str) -> int | str | None:
     try:
         return parse_nbatches(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size(text: str) -> int:
+    try:
+        return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -67,6 +76,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="pad",
         help="--split samples: pad or drop (default: %(default)s)",
     )
+    job.add_argument(
+        "--shard-order",
+        choices=("global", "node"),
+        default="global",
+        help="--split samples: one order of all shards each epoch, or each node's own shards (default: %(default)s)",
+    )
+    job.add_argument("--node-ranks", type=integer(1), default=1, help="ranks per node, which share its cache (1)")
+    store = p.add_argument_group("what the store sends each node per epoch (with --shard-bytes)")
+    store.add_argument("--shard-bytes", type=size, metavar="B", help="bytes per shard: 100MB, 64MiB or a number")
+    store.add_argument("--cache-size", type=size, metavar="B", help="a node cache of whole shards, LRU: 200GB, ...")
     resize = p.add_argument_group("an elastic resume (--split samples)")
     resize.add_argument(
         "--resize-at", type=integer(0), metavar="K", help="checkpoint after K batches per rank, resume on a new layout"
@@ -120,7 +139,11 @@ def main(argv=None) -> int:
         seed=args.seed,
         split=args.split,
         remainder=args.remainder,
+        shard_order=args.shard_order,
+        node_ranks=args.node_ranks,
     )
+    if args.cache_size is not None and args.shard_bytes is None:
+        raise UserError("--cache-size needs --shard-bytes (the bytes each shard costs to fetch)")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot {args.plot}: give a .png file name")
     if args.plan and args.showopen:
@@ -137,8 +160,17 @@ def main(argv=None) -> int:
         else:  # the training loader itself, resumed as the trainer resumes it
             resize = simdist.simulate_resize_real(sim, args.resize_at, to_size, to_nworkers, access=access(args))
     real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen, access=access(args))
+    egress = None
+    if args.shard_bytes is not None:
+        egress = simdist.simulate_egress(sim, args.shard_bytes, args.cache_size)
     return simdist.report(
-        sim, real=real, showsplits=args.showsplits, verbose=args.verbose, plot_to=args.plot, resize=resize
+        sim,
+        real=real,
+        showsplits=args.showsplits,
+        verbose=args.verbose,
+        plot_to=args.plot,
+        resize=resize,
+        egress=egress,
     )
 
 

@@ -21,6 +21,7 @@ which prints the whole report. The pieces are its modules, each importing only t
   text      the report's lines: parameters, splits, ranks, verdict, coverage, advice
   plot      the picture
   resize    --resize-at: a checkpoint and an elastic resume on another layout, planned or run
+  egress    --shard-bytes: what the store sends each node per epoch, with and without a cache
 Of wdsdist it imports ``wdsdist.data``, ``wdsdist.errors``, and (to write synthetic shards for
 real mode) ``wdsdist.tools.shards`` and ``wdsdist.tools.synthetic``; nothing of ``wdsdist.train``.
 """
@@ -31,6 +32,7 @@ import sys
 from typing import TextIO
 
 from wdsdist.data.sources.shardspec import Access
+from wdsdist.simdist.egress import Egress, egress_lines, node_egress, simulate_egress
 from wdsdist.simdist.layouts import (
     DEFAULT_NSHARDS,
     DEFAULT_SAMPLES,
@@ -81,6 +83,7 @@ __all__ = [
     "SHOWN_RANKS",
     "Access",
     "Coverage",
+    "Egress",
     "Layout",
     "RankEpoch",
     "RealRun",
@@ -93,6 +96,8 @@ __all__ = [
     "delivered",
     "described_counts",
     "described_layout",
+    "egress_lines",
+    "node_egress",
     "parameter_lines",
     "parse_spread",
     "pass_sizes",
@@ -106,6 +111,7 @@ __all__ = [
     "resize_verdict",
     "sample_balance",
     "shown_ranks",
+    "simulate_egress",
     "simulate_plan",
     "simulate_real",
     "simulate_resize",
@@ -127,6 +133,7 @@ def report(
     plot_to: str | None = None,
     out: TextIO | None = None,
     resize: Resize | None = None,
+    egress: Egress | None = None,
 ) -> int:
     """Print the whole report (and draw it to ``plot_to``); return the exit code (0 SUCCESS, 1 FAILED)."""
     out = out or sys.stdout
@@ -154,6 +161,8 @@ def report(
         tips = advice(sim)
         if tips:
             say("", "advice:", *(f"  - {tip}" for tip in tips))
+    if egress is not None:
+        say("", *egress_lines(egress, verbose))
     if plot_to:
         say(f"plot: {plot(sim, epochs[-1], plot_to)}")
     say("", line)

@@ -10,7 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from wdsdist.data.options import parse_nbatches
+from wdsdist.data.options import SHARD_ORDERS, parse_nbatches
+from wdsdist.data.plan.order import order_nodes
 from wdsdist.data.plan.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
 from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
@@ -37,6 +38,8 @@ class Settings:
     seed: int = 0
     split: str = "shards"  # shards: whole shards per rank and worker; samples: equal spans of the epoch's samples
     remainder: str = "pad"  # split=samples: pad or drop
+    shard_order: str = "global"  # split=samples: global, or node (each node keeps its shards: order.py)
+    node_ranks: int = 1  # ranks per node (that share its cache)
 
     def __post_init__(self) -> None:
         if self.split not in ("shards", "samples"):
@@ -45,7 +48,11 @@ class Settings:
             raise UserError(f"--remainder {self.remainder}: must be pad or drop")
         if self.split == "samples" and self.dsrepeat > 1:
             raise UserError("--dsrepeat applies to --split shards (split=samples needs no repetition)")
-        for name in ("size", "batch_size", "dsrepeat", "repeat", "nepochs"):
+        if self.shard_order not in SHARD_ORDERS:
+            raise UserError(f"--shard-order {self.shard_order}: must be global or node")
+        if self.shard_order == "node" and self.split != "samples":
+            raise UserError("--shard-order node applies to --split samples (the order of the epoch's sample sequence)")
+        for name in ("size", "batch_size", "dsrepeat", "repeat", "nepochs", "node_ranks"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("nworkers", "cross_shuffle"):
@@ -176,6 +183,7 @@ def simulate_plan(layout: Layout, settings: Settings) -> Simulation:
 
 def _simulate_sample_plan(layout: Layout, settings: Settings) -> Simulation:
     """split=samples: the loader's own plan (equal spans); a layout it refuses is refused here too."""
+    order_nodes(settings.shard_order, settings.size, settings.node_ranks)  # whole nodes, as the loader asks
     try:
         one_pass = plan_samples(
             layout.counts,
@@ -257,6 +265,8 @@ def real_config(
         dsrepeat=settings.dsrepeat,
         split=settings.split,
         remainder=settings.remainder,
+        shard_order=settings.shard_order,
+        node_ranks=settings.node_ranks,
         with_keys=True,
         trace=showopen,
         strict=True,  # a simulator reports bad data at once: skipping it would change the counts

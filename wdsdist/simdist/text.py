@@ -314,7 +314,11 @@ def parameter_lines(sim: Simulation, real: bool) -> list[str]:
             else f" (equal spans of the epoch's sample sequence), remainder {settings.remainder}"
         ),
         f"  nepochs       {settings.nepochs}",
-    ]
+    ] + (
+        [f"  shard-order   {settings.shard_order}, {plural(settings.node_ranks, 'rank')} per node"]
+        if (settings.shard_order, settings.node_ranks) != ("global", 1)
+        else []
+    )
 
 
 def split_lines(sim: Simulation, verbose: bool) -> list[str]:

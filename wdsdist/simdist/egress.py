@@ -1,0 +1,180 @@
+"""What the store sends each node per epoch, with and without a node cache (--shard-bytes,
+--cache-size, --node-ranks, --shard-order): arithmetic on the planner's spans and the loader's
+shard order (order.py), so a layout too big to run shows what loader.shard_order=node saves.
+
+A node is ``node_ranks`` consecutive ranks (torchrun numbers them so). Without a cache a node
+fetches what its ranks read: with split=samples the samples of its ranks' spans, as their share
+of each shard's bytes (a mid-shard start is a Range request); with split=shards its ranks' whole
+shards, ``dsrepeat`` times. With a cache (loader.cache_dir) every shard a node touches is fetched
+whole, once, and kept in a least-recently-used cache of whole shards of ``cache_bytes``: a later
+epoch fetches only what the node has not kept. A shard larger than the cache is read from the
+store each time, as the cache does. The nbatches cut is not modelled: it reads less.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from wdsdist.data.plan.order import epoch_order, node_blocks, node_order
+from wdsdist.data.plan.splits import rank_batches, span_pieces, split_by_rank
+from wdsdist.errors import UserError
+from wdsdist.simdist.simulate import Simulation, plural
+
+
+@dataclass(frozen=True)
+class Egress:
+    """Bytes the store sends per [epoch][node]: ``direct`` without a cache, ``cached`` with one of
+    ``cache_bytes`` per node (None: no cache asked for)."""
+
+    node_ranks: int
+    shard_order: str
+    dataset: int  # bytes of all shards
+    cache_bytes: int | None
+    direct: tuple[tuple[int, ...], ...]
+    cached: tuple[tuple[int, ...], ...] | None
+
+    @property
+    def nodes(self) -> int:
+        return len(self.direct[0]) if self.direct else 0
+
+
+# One function: the touches of an epoch and the cache they pass through read as one loop.
+def node_egress(
+    counts: Sequence[int],
+    shard_bytes: Sequence[int],
+    *,
+    world: int,
+    node_ranks: int,
+    batch_size: int,
+    nepochs: int,
+    seed: int = 0,
+    split: str = "samples",
+    remainder: str = "pad",
+    shard_order: str = "global",
+    dsrepeat: int = 1,
+    cache_bytes: int | None = None,
+) -> Egress:
+    """The bytes each node fetches from the store in each epoch, without and with a node cache."""
+    if node_ranks < 1 or world % node_ranks:
+        raise UserError(f"--size {world} is not whole nodes of --node-ranks {node_ranks}: give a multiple of it")
+    nodes = world // node_ranks
+    caches: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(nodes)]
+    held = [0] * nodes
+    total = sum(counts)
+    blocks: tuple = ()
+    if split == "samples":
+        blocks = node_blocks(counts, node_order(shard_order, total, world, node_ranks, batch_size, remainder), seed)
+    direct, cached = [], []
+    for epoch in range(nepochs):
+        direct.append([0] * nodes)
+        cached.append([0] * nodes)
+        if split == "samples":
+            order = epoch_order(blocks, seed, epoch)
+            cumulative = list(itertools.accumulate((counts[i] for i in order), initial=0))
+            length = rank_batches(total, world, batch_size, remainder) * batch_size * node_ranks
+        for node in range(nodes):
+            if split == "samples":
+                # The node's ranks hold consecutive spans: one span of the sequence per node.
+                pieces = span_pieces(cumulative, node * length, (node + 1) * length)
+                touched = []
+                for slot, first, stop, _ in pieces:
+                    shard = order[slot]
+                    direct[epoch][node] += shard_bytes[shard] * (stop - first) // max(counts[shard], 1)
+                    touched.append(shard)
+            else:
+                ranks = range(node * node_ranks, (node + 1) * node_ranks)
+                touched = sorted(s for r in ranks for s in split_by_rank(range(len(counts)), r, world))
+                direct[epoch][node] = dsrepeat * sum(shard_bytes[s] for s in touched)
+            if cache_bytes is None:
+                continue
+            cache = caches[node]
+            for shard in dict.fromkeys(touched):  # a shard two ranks read is one download
+                size = shard_bytes[shard]
+                if shard in cache:
+                    cache.move_to_end(shard)
+                    continue
+                cached[epoch][node] += size
+                if size > cache_bytes:
+                    continue  # over the limit: read from the store, never kept
+                cache[shard] = size
+                held[node] += size
+                while held[node] > cache_bytes:
+                    held[node] -= cache.popitem(last=False)[1]
+    return Egress(
+        node_ranks=node_ranks,
+        shard_order=shard_order,
+        dataset=sum(shard_bytes),
+        cache_bytes=cache_bytes,
+        direct=tuple(map(tuple, direct)),
+        cached=tuple(map(tuple, cached)) if cache_bytes is not None else None,
+    )
+
+
+def simulate_egress(sim: Simulation, shard_bytes: int, cache_bytes: int | None) -> Egress:
+    """node_egress for a simulation's layout and settings, every shard ``shard_bytes`` long."""
+    st = sim.settings
+    return node_egress(
+        sim.layout.counts,
+        [shard_bytes] * len(sim.layout.counts),
+        world=st.size,
+        node_ranks=st.node_ranks,
+        batch_size=st.batch_size,
+        nepochs=st.nepochs,
+        seed=st.seed,
+        split=st.split,
+        remainder=st.remainder,
+        shard_order=st.shard_order,
+        dsrepeat=st.dsrepeat,
+        cache_bytes=cache_bytes,
+    )
+
+
+def size_text(n: float) -> str:
+    """Bytes in decimal units, three figures: 4.00 GB, 128 GB, 512 B."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n} PB"  # unreachable: TB takes the rest
+
+
+def egress_lines(e: Egress, verbose: bool = False, shown: int = 6) -> list[str]:
+    """The report's lines: per node and epoch, without a cache / with it, and the totals."""
+    nodes, nepochs = e.nodes, len(e.direct)
+    cache = f"a cache of {size_text(e.cache_bytes)} per node (LRU)" if e.cache_bytes is not None else "no cache"
+    head = (
+        f"store egress (shard-order {e.shard_order}; {plural(nodes, 'node')} of {plural(e.node_ranks, 'rank')}; "
+        f"data set {size_text(e.dataset)}; {cache}):"
+    )
+    lines = [head, "  each cell: bytes from the store without a cache" + (" / with it" if e.cached else "")]
+
+    def cell(epoch: int | None, node: int | None) -> str:
+        def pick(table):
+            rows = table if epoch is None else [table[epoch]]
+            return sum(row[n] for row in rows for n in (range(nodes) if node is None else [node]))
+
+        return size_text(pick(e.direct)) + (f" / {size_text(pick(e.cached))}" if e.cached else "")
+
+    names = [f"epoch {i}" for i in range(nepochs)] + ["in all"]
+    rows = list(range(nodes))
+    if not verbose and nodes > shown:
+        rows = rows[: shown // 2] + [None] + rows[-(shown // 2) :]
+    table = [["node", *names]]
+    for node in rows:
+        if node is None:
+            table.append(["...", *["" for _ in names]])
+            continue
+        table.append([str(node), *(cell(i, node) for i in range(nepochs)), cell(None, node)])
+    table.append(["all", *(cell(i, None) for i in range(nepochs)), cell(None, None)])
+    widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    dataset = e.dataset or 1
+    summary = (
+        f"  over {plural(nepochs, 'epoch')}: {sum(map(sum, e.direct)) / dataset:.2f} x the data set without a cache"
+    )
+    if e.cached:
+        summary += f", {sum(map(sum, e.cached)) / dataset:.2f} x with it"
+    return [*lines, summary]
