@@ -21,6 +21,12 @@ node), so everything between them goes through the file system:
     counts against the limit, and a full disk shows before the first byte), fsynced, checked
     against its size, then renamed: no reader sees part of a file. A part whose ``.dl`` nobody
     holds belongs to a dead process (whatever its PID says in this PID namespace) and is removed.
+  - Read-ahead (``loader.cache_ahead``, ``fetch_ahead``) fetches a worker's next shards before it
+    opens them, and holds a shared ``flock`` on ``.ahead`` from then until the worker has opened
+    it. Read-ahead's own eviction passes over such entries as over those in use, so it never
+    evicts what is about to be read to make room for what comes after; a worker's own open may
+    evict them, newest last, as it would evict them without read-ahead. Read-ahead never warns:
+    where the cache cannot take a shard it stops, and the worker's own open meets the cause.
   - ``cache.lock`` serialises the budget: the entries, the parts in flight and the new download
     must fit ``limit``, least recently used entries (by mtime, touched at each use) evicted first.
 
@@ -54,7 +60,7 @@ CACHED_PREFIXES = ("http://", "https://", "s3://", "gs://")
 BUDGET_LOCK = "cache.lock"  # in the folder: who may evict and reserve, one process at a time
 TAIL = 40  # characters of the URL's last part kept in an entry's name, for people reading the folder
 CHUNK = 1 << 20  # bytes copied from the store per read
-_ENTRY = re.compile(r"([0-9a-f]{32})-([A-Za-z0-9._-]*)\.(data|meta|lock|dl|part-\d+)")
+_ENTRY = re.compile(r"([0-9a-f]{32})-([A-Za-z0-9._-]*)\.(data|meta|lock|dl|ahead|part-\d+)")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -69,13 +75,17 @@ class Counts:
     evicted_bytes: int = 0  # bytes of entries removed to stay under the limit
     corrupt: int = 0  # entries found damaged (a size other than their sidecar's, no sidecar), fetched again
     bypassed: int = 0  # shard opens read from the store because the cache could not take them
+    ahead: int = 0  # shards fetched by read-ahead (loader.cache_ahead) before their worker opened them
+    ahead_failed: int = 0  # read-ahead fetches the store failed (the worker's own open then meets the error)
 
 
 CACHE_COUNTS = tuple(f.name for f in fields(Counts))
 """The names of the node cache's counts, in the order of a batch's ``cache`` tensor: shard opens
 served from the cache (hits), opens that fetched their shard into it (misses), bytes fetched from
 the store into it, bytes evicted, damaged entries found (fetched again), and opens read from the
-store because the cache could not take the shard (bypassed)."""
+store because the cache could not take the shard (bypassed); then what read-ahead did
+(``loader.cache_ahead``): shards it fetched (ahead; their bytes are in fetched_bytes, their opens
+are hits) and fetches of it the store failed (ahead_failed)."""
 _counts = Counts()
 _taken = Counts()
 _guard = threading.Lock()
@@ -190,6 +200,41 @@ def open_cached(
     return cache.open(url, start, fetch, direct)
 
 
+class CacheFull(Exception):
+    """Read-ahead cannot fetch a shard into the cache now (no room, the folder cannot be written,
+    the store did not say the shard's size, or read-ahead was stopped): it stops reading ahead."""
+
+
+class Pin:
+    """A shared flock on an entry's ``.ahead``: read-ahead's eviction passes over the entry until
+    its worker has opened it (then its reader's lock holds it) and the pin is closed."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.guard = threading.Lock()
+
+    def close(self) -> None:
+        with self.guard:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def fetch_ahead(
+    url: str, folder: str, limit: int | None, fetch: Callable[[], Any], stop: threading.Event
+) -> Pin | None:
+    """Fetch the shard at ``url`` into the cache before its worker opens it: its entry, pinned
+    (``Pin``), where it is there now; None where the store failed (counted in ahead_failed; the
+    worker's own open meets the error and reports it) or another process is fetching it (the
+    worker's open waits for that download). Raises CacheFull where the cache cannot take it now,
+    without a warning: the worker's own open says why, once. Setting ``stop`` ends a download
+    between two reads of the store."""
+    cache = node_cache(folder, limit)
+    if cache is None or not cacheable(url):
+        raise CacheFull(url)
+    return cache.fetch_ahead(url, fetch, stop)
+
+
 def write_part(fd: int, data: memoryview) -> None:
     """Write all of ``data`` to a download's part file: the one place shard bytes are written (a
     full disk raises OSError(ENOSPC) here)."""
@@ -240,6 +285,7 @@ class Entry:
         self.base = os.path.join(folder, name)
         self.data, self.meta = f"{self.base}.data", f"{self.base}.meta"
         self.lock, self.dl = f"{self.base}.lock", f"{self.base}.dl"
+        self.ahead = f"{self.base}.ahead"
 
     def part(self) -> str:
         return f"{self.base}.part-{os.getpid()}"
@@ -322,6 +368,7 @@ class NodeCache:
             limit = (used + free.f_bavail * free.f_frsize) // 2
         self.limit = limit
         self.too_big: set[str] = set()  # URLs larger than the limit: straight to the store
+        self.largest = 0  # the largest shard this process fetched: what read-ahead expects to need room for
 
     def open(self, url: str, start: int, fetch: Callable[[], Any], direct: Callable[[], IO[bytes]]) -> IO[bytes]:
         entry = Entry(self.folder, entry_name(url))
@@ -347,6 +394,60 @@ class NodeCache:
             os.close(lock)
             raise
         return CachedFile(fd, lock, start)
+
+    def fetch_ahead(self, url: str, fetch: Callable[[], Any], stop: threading.Event) -> Pin | None:
+        """``fetch_ahead`` in this folder."""
+        if url in self.too_big:
+            raise CacheFull(url)
+        entry = Entry(self.folder, entry_name(url))
+        try:
+            lock = acquire(entry.lock, fcntl.LOCK_SH)  # held until pinned: no eviction in between
+        except OSError:
+            raise CacheFull(url) from None
+        assert lock is not None
+        try:
+            fd = self._verified(entry, url)
+            if fd is None:
+                fd = self._fill_ahead(entry, url, fetch, stop)
+                if fd is None:
+                    return None
+            os.close(fd)
+            try:
+                pin = acquire(entry.ahead, fcntl.LOCK_SH)
+            except OSError:
+                raise CacheFull(url) from None
+            assert pin is not None
+            return Pin(pin)
+        finally:
+            os.close(lock)
+
+    def _fill_ahead(self, entry: Entry, url: str, fetch: Callable[[], Any], stop: threading.Event) -> int | None:
+        """_fill for read-ahead: it never waits for another's download, counts what it fetched as
+        ahead (not a miss: no shard was opened), and swallows the store's errors."""
+        try:
+            dl = acquire(entry.dl, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise CacheFull(url) from None
+        if dl is None:
+            return None  # being fetched by another: the worker's open waits for that download
+        try:
+            fd = self._verified(entry, url)
+            if fd is not None:
+                return fd
+            if os.path.exists(entry.data):
+                _count(corrupt=1)
+            if not self._room_for(self.largest):
+                raise CacheFull(url)  # not worth a request that would be dropped
+            try:
+                _unlink(entry.data, entry.meta, *self._parts(entry))
+                return self._download(entry, url, fetch, stop)
+            except (_NoRoom, _LocalError):
+                raise CacheFull(url) from None
+            except Exception:  # noqa: BLE001 (the store's error: the worker's own open reports it)
+                _count(ahead_failed=1)
+                return None
+        finally:
+            os.close(dl)
 
     def _bypass(self, error: OSError, direct: Callable[[], IO[bytes]]) -> IO[bytes]:
         _warn_local(self.folder, error)
@@ -397,15 +498,19 @@ class NodeCache:
         name = os.path.basename(entry.base)
         return [os.path.join(self.folder, f) for f in os.listdir(self.folder) if f.startswith(f"{name}.part-")]
 
-    def _download(self, entry: Entry, url: str, fetch: Callable[[], Any]) -> int:
+    def _download(self, entry: Entry, url: str, fetch: Callable[[], Any], stop: threading.Event | None = None) -> int:
+        """The entry fetched; ``stop`` given: for read-ahead, which takes only a shard whose size
+        the store says (so that it never goes past the limit), and stops when it is set."""
         stream = fetch()
         try:
             headers = getattr(stream, "headers", None)
             size = _content_length(headers)
+            if stop is not None and size is None:
+                raise _NoRoom
             part = entry.part()
-            fd = self._reserve(part, url, size)
+            fd = self._reserve(part, url, size, ahead=stop is not None)
             try:
-                written = self._copy(stream, fd, size, url)
+                written = self._copy(stream, fd, size, url, stop)
                 if size is not None and written != size:
                     raise OSError(f"the store sent {written} of its {size} bytes")
                 meta = {"url": url, "size": written}
@@ -418,7 +523,11 @@ class NodeCache:
                 raise
             finally:
                 os.close(fd)
-            _count(misses=1, fetched_bytes=written)
+            self.largest = max(self.largest, written)
+            if stop is None:
+                _count(misses=1, fetched_bytes=written)
+            else:
+                _count(ahead=1, fetched_bytes=written)
             if size is None:  # nothing was reserved for it: make room now
                 with _locked(self.budget_lock):
                     self._evict(0)
@@ -426,9 +535,12 @@ class NodeCache:
         finally:
             stream.close()
 
-    def _reserve(self, part: str, url: str, size: int | None) -> int:
+    def _reserve(self, part: str, url: str, size: int | None, ahead: bool = False) -> int:
         """The download's part file, made ``size`` bytes long where the store said, once older
-        entries are evicted to make room for it; _NoRoom where they cannot be."""
+        entries are evicted to make room for it; _NoRoom where they cannot be. For read-ahead
+        (``ahead``) entries pinned by read-ahead are spared too, and nothing is warned about."""
+        if ahead and size is not None and size > self.limit:
+            raise _NoRoom  # the worker's own open warns, and marks it too big
         if size is not None and size > self.limit:
             self.too_big.add(url)
             warn_once(
@@ -440,7 +552,9 @@ class NodeCache:
             raise _NoRoom
         try:
             with _locked(self.budget_lock):
-                if not self._evict(size or 0):
+                if not self._evict(size or 0, spare_pinned=ahead):
+                    if ahead:
+                        raise _NoRoom
                     warn_once(
                         self.folder,
                         "in use",
@@ -460,7 +574,7 @@ class NodeCache:
         except OSError as exc:
             raise _LocalError(exc) from None
 
-    def _copy(self, stream: Any, fd: int, size: int | None, url: str) -> int:
+    def _copy(self, stream: Any, fd: int, size: int | None, url: str, stop: threading.Event | None = None) -> int:
         """The store's bytes into the part file; an error reading the store is raised as it is
         (the shard fails as it would without a cache), one writing the file as _LocalError."""
         buffer = bytearray(CHUNK)
@@ -470,6 +584,8 @@ class NodeCache:
             n = stream.readinto(buffer)
             if not n:
                 return written
+            if stop is not None and stop.is_set():
+                raise _NoRoom  # read-ahead stopped: its worker is done
             if size is None and written + n > self.limit:
                 self.too_big.add(url)
                 warn_once(
@@ -530,9 +646,26 @@ class NodeCache:
                 entries.append((st.st_mtime, st.st_size, base))
         return used, entries
 
-    def _evict(self, room: int) -> bool:
+    def _room_for(self, size: int) -> bool:
+        """Whether read-ahead could make room for ``size`` bytes now, evicting nothing: before it
+        asks the store for a shard it would have to drop."""
+        try:
+            with _locked(self.budget_lock):
+                used, entries = self.scan()
+                free = self.limit - used
+                for _, n, base in sorted(entries):
+                    if free >= size:
+                        break
+                    if _evictable(base):
+                        free += n
+        except OSError:
+            return False
+        return free >= size
+
+    def _evict(self, room: int, spare_pinned: bool = False) -> bool:
         """Evict least recently used entries nobody reads until ``room`` more bytes fit under the
-        limit; False where they cannot. Called under the budget lock."""
+        limit; False where they cannot. ``spare_pinned``: pass over the entries read-ahead holds
+        for their workers too. Called under the budget lock."""
         used, entries = self.scan()
         for _, size, base in sorted(entries):
             if used + room <= self.limit:
@@ -540,12 +673,15 @@ class NodeCache:
             lock = acquire(f"{base}.lock", fcntl.LOCK_EX | fcntl.LOCK_NB)
             if lock is None:
                 continue  # open by a reader
+            if spare_pinned and _held(f"{base}.ahead"):
+                os.close(lock)
+                continue  # fetched ahead for a worker that has not opened it yet
             try:
                 dl = acquire(f"{base}.dl", fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if dl is None:
                     continue  # being fetched again
                 try:
-                    _unlink(f"{base}.data", f"{base}.meta", f"{base}.dl", f"{base}.lock")
+                    _unlink(f"{base}.data", f"{base}.meta", f"{base}.dl", f"{base}.ahead", f"{base}.lock")
                 finally:
                     os.close(dl)
             finally:
@@ -553,6 +689,31 @@ class NodeCache:
             used -= size
             _count(evicted_bytes=size)
         return used + room <= self.limit
+
+
+def _evictable(base: str) -> bool:
+    """Nobody reads the entry, fetches it, or holds it for read-ahead, now."""
+    lock = acquire(f"{base}.lock", fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if lock is None:
+        return False
+    try:
+        dl = acquire(f"{base}.dl", fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if dl is None:
+            return False
+        os.close(dl)
+        return not _held(f"{base}.ahead")
+    finally:
+        os.close(lock)
+
+
+def _held(path: str) -> bool:
+    """Someone holds a lock on ``path``. Pins are taken only under the entry's ``.lock``, which the
+    caller holds exclusively: none can begin after this answer."""
+    fd = acquire(path, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
+    if fd is not None:
+        os.close(fd)
+        return False
+    return os.path.exists(path)
 
 
 def _allocate(fd: int, size: int) -> None:

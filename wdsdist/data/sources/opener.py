@@ -5,8 +5,10 @@ then parses (tar headers, JSON) knows nothing of URLs."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +89,18 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
             direct=lambda: _open_uncached(url, access, start, end),
         )
     return _open_uncached(url, access, start, end)
+
+
+def fetch_ahead(url: str, access: Access, stop: threading.Event) -> cache.Pin | None:
+    """Fetch a remote shard into ``access.cache_dir`` before its worker opens it (cache.fetch_ahead).
+    One try, without ``http_retry_s``: a failure costs the worker nothing, whose own open then
+    retries, skips or stops the run as it would have, and says so once."""
+    once = dataclasses.replace(access, http_retry_s=0)
+    if access.cache_dir is None:
+        raise cache.CacheFull(url)
+    return cache.fetch_ahead(
+        url, access.cache_dir, access.cache_limit, lambda: _open_uncached(url, once, 0, None), stop
+    )
 
 
 def _open_uncached(url: str, access: Access, start: int, end: int | None) -> io.IOBase:
