@@ -76,6 +76,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "read_late": False,
         "cache_dir": str(tmp_path / "cache"),
         "cache_limit": "500MiB",
+        "cache_ahead": 5,
     }
     assert sorted(changed) == sorted(names(SampleOptions)) and sorted(stream) == sorted(names(StreamOptions))
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]
@@ -116,6 +117,7 @@ def test_the_node_order_and_the_ranks_per_node_reach_the_loader():
         ("loader.cache_limit", "lots", "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
         ("loader.cache_limit", "0", "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
         ("loader.cache_limit", "20GB", "needs loader.cache_dir"),
+        ("loader.cache_ahead", "-1", "must be >= 0 (shards; 0: no read-ahead)"),
     ],
 )
 def test_a_rule_says_the_same_from_the_command_line_and_from_python(key, value, rule):

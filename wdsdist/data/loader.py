@@ -48,7 +48,7 @@ class Loader:
     Each batch is a dict: ``image`` (uint8, N x 3 x S x S, channels_last memory), ``label``
     (int64, N), ``id`` (int64, N x 3: epoch, worker, position in the worker's stream), ``pos``
     (int64, N: the position in the epoch's sample sequence with ``split=samples``, else -1),
-    ``bad`` (the samples and shard reads skipped before each row) and ``cache`` (int64, 6: what
+    ``bad`` (the samples and shard reads skipped before each row) and ``cache`` (int64, one per count: what
     the node cache, ``config.cache_dir``, did in the worker that made the batch since its previous
     one, named by ``CACHE_COUNTS``; sum them over batches, and over ranks, for a total). Convert
     and normalise on the device; the loader never makes float batches.

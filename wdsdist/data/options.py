@@ -107,6 +107,9 @@ class StreamOptions:
     # Bytes the cache may hold (an integer, or 200GB, 500MiB, ...); null: half of what the folder's cache
     # holds plus its disk's free space, when the loader starts
     cache_limit: int | str | None = None
+    # With cache_dir: the next N remote shards of each worker's plan fetched into the cache while it reads
+    # one (sources/ahead.py), so its opens find them there; 0: each shard fetched when it is opened
+    cache_ahead: int = 2
 
 
 @dataclass(kw_only=True)
@@ -287,6 +290,7 @@ STREAM_RULES: tuple[Rule, ...] = (
     ("cache_dir", lambda o: o.cache_dir is None or o.cache_dir.strip() != "", "a folder, or null for no cache"),
     ("cache_limit", lambda o: _bytes_ok(o.cache_limit), "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
     ("cache_limit", lambda o: o.cache_limit is None or o.cache_dir is not None, "needs loader.cache_dir"),
+    ("cache_ahead", lambda o: o.cache_ahead >= 0, "must be >= 0 (shards; 0: no read-ahead)"),
     ("shard_order", lambda o: o.shard_order in SHARD_ORDERS, "global or node"),
     (
         "shard_order",

@@ -33,6 +33,7 @@ from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order
 from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
 from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
+from wdsdist.data.sources.ahead import ReadAhead
 from wdsdist.data.sources.opener import open_shard
 from wdsdist.data.sources.retry import StoreDown, describe
 from wdsdist.data.sources.shardspec import Shard
@@ -63,6 +64,18 @@ def _primed(rows: Iterator[T]) -> Iterator[T]:
     except Exception as exc:  # noqa: BLE001 (raised again, unchanged, at the first batch)
         return _raise_later(exc)
     return itertools.chain((first,), rows)
+
+
+def _opening(samples: Iterator[T], opened: Callable[[], None]) -> Iterator[T]:
+    """``samples``, calling ``opened()`` once the first has come, or the read has ended or failed."""
+    try:
+        first = next(samples)
+    except StopIteration:
+        return
+    finally:
+        opened()
+    yield first
+    yield from samples
 
 
 def _raise_later(exc: Exception) -> Iterator:
@@ -180,10 +193,12 @@ class ShardStream(IterableDataset):
             self.blocks[key] = node_blocks([s.nsamples or 0 for s in shards], key, cfg.seed)
         order = epoch_order(self.blocks[key], cfg.seed, epoch)
         cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
-        for slot, first, last, position in self._pieces(cumulative, worker, nworkers, epoch):
+        pieces = self._pieces(cumulative, worker, nworkers, epoch)
+        ahead = ReadAhead(pieces, lambda piece: shards[order[piece[0]]].url, cfg.access, cfg.cache_ahead)
+        for slot, first, last, position in ahead:
             shard = shards[order[slot]]
             got, read = 0, functools.partial(self._read_piece, shard, first, last)
-            for sample in self._read_guarded(shard.url, read, worker, bad):
+            for sample in self._read_guarded(shard.url, read, worker, bad, ahead.opened):
                 sample[POSITION] = position + got
                 got += 1
                 yield sample
@@ -244,8 +259,9 @@ class ShardStream(IterableDataset):
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
         its URL appended to ``bad`` (or raises DataError in strict mode)."""
-        for url in urls:
-            yield from self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad)
+        ahead = ReadAhead(urls, str, self.cfg.access, self.cfg.cache_ahead)
+        for url in ahead:
+            yield from self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad, ahead.opened)
 
     def _read_whole(self, url: str) -> Iterator[dict]:
         stream = open_shard(url, self.cfg.access)
@@ -256,13 +272,17 @@ class ShardStream(IterableDataset):
         finally:
             stream.close()
 
-    def _read_guarded(self, url: str, read: Callable[[], Iterator[dict]], worker: int, bad: list) -> Iterator[dict]:
+    def _read_guarded(
+        self, url: str, read: Callable[[], Iterator[dict]], worker: int, bad: list, opened: Callable[[], None]
+    ) -> Iterator[dict]:
         """The samples ``read()`` gives of one shard; a failure is skipped and counted, as above,
-        but for a store that is down (retry.StoreDown), which raises DataError in any mode."""
+        but for a store that is down (retry.StoreDown), which raises DataError in any mode.
+        ``opened()`` is called once the shard is open (its first sample read) or has failed:
+        read-ahead starts on the next shards then, not against this one."""
         if self.cfg.trace:
             print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
         try:
-            yield from read()
+            yield from _opening(read(), opened)
         except StoreDown as exc:
             # Not a bad shard: every shard on that server would fail alike, each after the whole
             # wait. The run ends with one line naming the server, strict or not.
