@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.loading import cfg
+from tests.helpers.servers import http_server
 from wdsdist.data import Loader
 from wdsdist.data.delivery import stream
 from wdsdist.data.sources import cache
@@ -103,13 +104,9 @@ def store(tmp_path, monkeypatch):
         return open_cached(url, *args, **kwargs)
 
     monkeypatch.setattr(cache, "open_cached", logged)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    cache.take_counts()  # what earlier tests in this process did is not this loader's
-    yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    handler.release.set()
-    server.shutdown()
-    server.server_close()
+    with http_server(handler, on_close=handler.release.set) as url:
+        cache.take_counts()  # what earlier tests in this process did is not this loader's
+        yield url, handler
 
 
 def shard_gets(handler) -> dict[str, int]:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.helpers import chaos, cluster
+from tests.helpers.servers import http_server
 from tests.helpers.trace import Delivery, delivery, kept
 
 
@@ -76,8 +77,6 @@ def test_the_delay_relay_passes_every_byte_both_ways_in_order(tmp_path: Path):
     (tmp_path / "shard.tar").write_bytes(body)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     handler.log_message = lambda *a: None  # type: ignore[attr-defined]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     port: list[int] = []
     ready = threading.Event()
 
@@ -85,13 +84,11 @@ def test_the_delay_relay_passes_every_byte_both_ways_in_order(tmp_path: Path):
         port.append(p)
         ready.set()
 
-    target = ("127.0.0.1", server.server_address[1])
-    threading.Thread(target=cluster.delay_proxy, args=("127.0.0.1", 0, target, 0.01, announce), daemon=True).start()
-    assert ready.wait(30)
-    try:
+    with http_server(handler) as url:
+        target = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        relay = threading.Thread(target=cluster.delay_proxy, args=("127.0.0.1", 0, target, 0.01, announce), daemon=True)
+        relay.start()
+        assert ready.wait(30)
         for _ in range(2):  # two requests, each its own connection
             with urllib.request.urlopen(f"http://127.0.0.1:{port[0]}/shard.tar", timeout=30) as response:
                 assert response.read() == body
-    finally:
-        server.shutdown()
-        server.server_close()

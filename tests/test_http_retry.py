@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import http.server
 import socket
-import threading
 
 import pytest
 
 from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import cfg, keys_and_bad
+from tests.helpers.servers import Servers
 from wdsdist.data.delivery.pipeline import make_eval_loader
 from wdsdist.data.plan.order import shard_order
 from wdsdist.data.sources import opener, retry, shardspec
@@ -81,20 +81,14 @@ def shard(tmp_path):
 @pytest.fixture
 def planned(shard):
     """A factory: planned(plan, honour_range=True) -> (base URL, the handler class)."""
-    servers = []
+    with Servers() as servers:
 
-    def make(plan, honour_range=True):
-        attrs = {"data": shard[0].read_bytes(), "plan": list(plan), "ranges": [], "honour_range": honour_range}
-        handler = type("Handler", (_Planned,), attrs)
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}", handler
+        def make(plan, honour_range=True):
+            attrs = {"data": shard[0].read_bytes(), "plan": list(plan), "ranges": [], "honour_range": honour_range}
+            handler = type("Handler", (_Planned,), attrs)
+            return servers.start(handler), handler
 
-    yield make
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+        yield make
 
 
 @pytest.mark.parametrize("failure", [503, "close"])

@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.loading import cfg
+from tests.helpers.servers import Servers
 from tests.helpers.training import overrides, torchrun
 from wdsdist.data import CACHE_COUNTS, Loader
 from wdsdist.data.sources import cache, opener
@@ -88,7 +89,7 @@ class Store(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def store(tmp_path):
     """A factory: store(root) -> (base URL, its handler class with the counts)."""
-    servers = []
+    servers = Servers()
 
     def serve(root: Path):
         handler = type(
@@ -104,16 +105,10 @@ def store(tmp_path):
                 "release": threading.Event(),
             },
         )
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}", handler
+        return servers.start(handler, on_close=handler.release.set), handler
 
-    yield serve
-    for server in servers:
-        server.RequestHandlerClass.release.set()
-        server.shutdown()
-        server.server_close()
+    with servers:
+        yield serve
 
 
 def tar_bytes(sent: dict[str, int]) -> int:

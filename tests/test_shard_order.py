@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import write_tiny_shards
+from tests.helpers.servers import Servers
 from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
@@ -197,20 +198,14 @@ class Counting(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture
 def stores():
     """A factory: serve(root) -> (base URL, the dict of bytes sent per path)."""
-    servers = []
+    with Servers() as servers:
 
-    def serve(root: Path):
-        sent: dict[str, int] = {}
-        handler = type("Store", (Counting,), {"sent": sent})
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(root)))
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}", sent
+        def serve(root: Path):
+            sent: dict[str, int] = {}
+            handler = type("Store", (Counting,), {"sent": sent})
+            return servers.start(lambda *a: handler(*a, directory=str(root))), sent
 
-    yield serve
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+        yield serve
 
 
 def _node(jobs, rank, world, out) -> None:
