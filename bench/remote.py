@@ -77,7 +77,7 @@ def run_one(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=2000, help="images in the data set (default: %(default)s)")
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="bench.py's data folder (written once)")
@@ -91,7 +91,57 @@ def main() -> int:
     p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
     p.add_argument("--index", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def run_contenders(args: argparse.Namespace, info: dict, cluster) -> list[dict]:
+    """Each contender in the node's namespace, one after another, the store behind the link;
+    their rows (an error naming the contender where one fails)."""
+    shards, rows = Path(info["index"]).parent, []
+    with (
+        tempfile.TemporaryDirectory(prefix="wdsdist-remote-") as work,
+        cluster.Cluster(1, Path(work) / "cluster", serve=shards) as c,
+    ):
+        url = c.delay(args.delay)
+        c.shape("store", args.rate)
+        remote = f"{url}/{Path(info['index']).name}"
+        for name in args.only or CONTENDERS:
+            index = info["index"] if name == "ours-local" else remote
+            cache = Path(work) / f"cache-{name}"
+            cache.mkdir()  # webdataset wants the folder made
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--index", index, "--cache"]
+            cmd += [
+                str(cache),
+                "--epochs",
+                str(args.epochs),
+                "--batch",
+                str(args.batch),
+                "--workers",
+                str(args.workers),
+            ]
+            if c.spawn("n0", name, cmd).wait(1800) != 0:
+                raise RuntimeError(f"{name} failed:\n{c.log(name)[-3000:]}")
+            got = [json.loads(line) for line in c.log(name).splitlines() if line.startswith("{")]
+            rows += got
+            for row in got:
+                print(json.dumps(row), flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+    return rows
+
+
+def print_table(rows: list[dict], info: dict, args: argparse.Namespace) -> None:
+    shards = sorted(Path(info["index"]).parent.glob("*.tar"))
+    data_mb = sum(p.stat().st_size for p in shards) / 1e6
+    print(f"\n{info['images']} images, {data_mb:.0f} MB in {len(shards)} shards; store link "
+          f"{args.rate}, +{args.delay * 1000:.0f} ms each way; {args.workers} workers, batch {args.batch}")  # fmt: skip
+    print("| contender | epoch | samples/s | first batch s | from the store MB |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['contender']} | {r['epoch']} | {r['samples_per_s']:.0f} | {r['first_batch_s']:.2f} | "
+              f"{r['store_mb']:.0f} |")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
     if args.run:
         run_one(args)
         return 0
@@ -105,46 +155,12 @@ def main() -> int:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     info = bench.prepare(Path(args.data), args.images)
-    shards = Path(info["index"]).parent
-    rows = []
-    with (
-        tempfile.TemporaryDirectory(prefix="wdsdist-remote-") as work,
-        cluster.Cluster(1, Path(work) / "cluster", serve=shards) as c,
-    ):
-        url = c.delay(args.delay)
-        c.shape("store", args.rate)
-        remote = f"{url}/{Path(info['index']).name}"
-        for name in args.only or CONTENDERS:
-            index = info["index"] if name == "ours-local" else remote
-            cache = Path(work) / f"cache-{name}"
-            cache.mkdir()  # webdataset wants the folder made
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--run",
-                name,
-                "--index",
-                index,
-                "--cache",
-                str(cache),
-            ]
-            cmd += ["--epochs", str(args.epochs), "--batch", str(args.batch), "--workers", str(args.workers)]
-            proc = c.spawn("n0", name, cmd)
-            if proc.wait(1800) != 0:
-                print(f"error: {name} failed:\n{c.log(name)[-3000:]}", file=sys.stderr)
-                return 1
-            got = [json.loads(line) for line in c.log(name).splitlines() if line.startswith("{")]
-            rows += got
-            for row in got:
-                print(json.dumps(row), flush=True)
-            shutil.rmtree(cache, ignore_errors=True)
-    data_mb = sum(p.stat().st_size for p in shards.glob("*.tar")) / 1e6
-    print(f"\n{info['images']} images, {data_mb:.0f} MB in {len(list(shards.glob('*.tar')))} shards; store link "
-          f"{args.rate}, +{args.delay * 1000:.0f} ms each way; {args.workers} workers, batch {args.batch}")  # fmt: skip
-    print("| contender | epoch | samples/s | first batch s | from the store MB |\n|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['contender']} | {r['epoch']} | {r['samples_per_s']:.0f} | {r['first_batch_s']:.2f} | "
-              f"{r['store_mb']:.0f} |")  # fmt: skip
+    try:
+        rows = run_contenders(args, info, cluster)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_table(rows, info, args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -40,6 +40,11 @@ sidecar keeps the ETag and Last-Modified the store sent, to tell which version a
 
 from __future__ import annotations
 
+# One module, though long: its parts (entry names, the lock files and the order they are taken
+# in, the part files, eviction, read-ahead's pins, the counts) are one on-disk protocol that
+# every process sharing a folder must follow alike; split, a change to one part could silently
+# break another's assumptions about it. (read-ahead's scheduling lives apart, in ahead.py.)
+
 import contextlib
 import errno
 import fcntl
