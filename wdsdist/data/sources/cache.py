@@ -40,11 +40,6 @@ sidecar keeps the ETag and Last-Modified the store sent, to tell which version a
 
 from __future__ import annotations
 
-# One module, though long: its parts (entry names, the lock files and the order they are taken
-# in, the part files, eviction, read-ahead's pins, the counts) are one on-disk protocol that
-# every process sharing a folder must follow alike; split, a change to one part could silently
-# break another's assumptions about it. (read-ahead's scheduling lives apart, in ahead.py.)
-
 import contextlib
 import errno
 import fcntl
@@ -61,6 +56,10 @@ from typing import IO, Any
 
 from wdsdist.data.sources.retry import describe
 
+# One module, though long: its parts (entry names, the lock files and the order they are taken
+# in, the part files, eviction, read-ahead's pins, the counts) are one on-disk protocol that
+# every process sharing a folder must follow alike; split, a change to one part could silently
+# break another's assumptions about it. (read-ahead's scheduling lives apart, in ahead.py.)
 CACHED_PREFIXES = ("http://", "https://", "s3://", "gs://")
 BUDGET_LOCK = "cache.lock"  # in the folder: who may evict and reserve, one process at a time
 TAIL = 40  # characters of the URL's last part kept in an entry's name, for people reading the folder
