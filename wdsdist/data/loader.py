@@ -18,8 +18,16 @@ from typing import Any
 
 import torch
 
-from wdsdist.data.delivery.pipeline import RankLoader, check_layout, counted_shards, make_eval_loader, resolve_shards
-from wdsdist.data.options import LoaderConfig, LoaderMode
+from wdsdist.data.delivery.pipeline import (
+    RankLoader,
+    check_layout,
+    counted_shards,
+    make_eval_loader,
+    mix_config,
+    resolve_shards,
+    resolve_sources,
+)
+from wdsdist.data.options import LoaderConfig, LoaderMode, Source
 from wdsdist.data.plan.elastic import Resize, rank_state
 from wdsdist.data.plan.splits import Plan
 from wdsdist.data.sources.shardspec import Shard
@@ -58,7 +66,10 @@ class Loader:
     batches delivered before it, as a progress bar or Lightning counts them). In ``mode=repeat``
     (and ``resampled``) the batches never end and ``len()`` raises TypeError: count steps.
 
-    ``shards``: a spec (``DIR``, an index JSON, a brace pattern, URLs) or Shard objects.
+    ``shards``: a spec (``DIR``, an index JSON, a brace pattern, URLs) or Shard objects; or a
+    list of ``Source`` for several data sets in one epoch, each read as its setting says
+    (docs/several-datasets.md). Their batches also hold ``source`` (int64, N: each sample's
+    source, its index in that list), and ``config.mix`` says how a batch mixes them.
     ``rank`` and ``world``: by default torch.distributed's (or 0 and 1 without it).
     ``transform``: applied in the worker to each training image after its crop and flip: takes
     and returns a uint8 3 x S x S tensor (for example ``torchvision.transforms.v2.ColorJitter``);
@@ -70,7 +81,7 @@ class Loader:
 
     def __init__(
         self,
-        shards: ShardSpec,
+        shards: ShardSpec | Sequence[Source],
         config: LoaderConfig,
         *,
         rank: int | None = None,
@@ -79,10 +90,15 @@ class Loader:
         group: Any = None,
         mark_taken: bool = False,
     ):
-        self.config = config
         self.rank, self.world = dist_layout(rank, world)
-        self.shards = counted_shards(resolve_shards(shards, config), config)
-        self.plan: Plan | None = check_layout(self.shards, self.world, config)
+        self.mix = None
+        if isinstance(shards, (list, tuple)) and shards and isinstance(shards[0], Source):
+            config = mix_config(config)
+            self.shards, self.mix = resolve_sources(shards, config)  # type: ignore[arg-type]
+        else:
+            self.shards = counted_shards(resolve_shards(shards, config), config)  # type: ignore[arg-type]
+        self.config = config
+        self.plan: Plan | None = check_layout(self.shards, self.world, config, mix=self.mix)
         self.transform, self.group, self.mark_taken = transform, group, mark_taken
         self.resize: Resize | None = None  # set by an elastic load_state_dict: what became of the epoch
         self.steps = 0  # batches taken since the run began (carried across resumes)
@@ -101,7 +117,9 @@ class Loader:
     def _loader(self) -> RankLoader:
         if self._inner is None:
             config = replace(self.config, seed=self._seed) if self._seed != self.config.seed else self.config
-            self._inner = RankLoader(self.shards, self.rank, self.world, config, self._state, self.plan, self.transform)
+            self._inner = RankLoader(
+                self.shards, self.rank, self.world, config, self._state, self.plan, self.transform, self.mix
+            )
             self.resize = self._inner.resize
         return self._inner
 

@@ -45,6 +45,22 @@ class ShardOrder(StrEnum):
 
 
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
+MIXES = ("sample", "stratified")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data set of several (``Loader([Source(...), ...], config)``, data.sources): a name, its
+    shards (a spec, as for one data set) and how much of it an epoch reads, one of: ``repeat``
+    (passes per epoch: 0.5 reads half of it, the other half next epoch; 3 reads it three times),
+    ``samples`` (a count per epoch) or ``weight`` (a share of config.epoch_samples, beside the
+    others' weights). None of them: repeat=1. docs/several-datasets.md has the semantics."""
+
+    name: str
+    shards: Any
+    weight: float | None = None
+    repeat: float | None = None
+    samples: int | None = None
 
 
 def default_split(mode: str, dsrepeat: int = 1) -> Split:
@@ -76,6 +92,8 @@ class SampleOptions:
     # http_timeout, http_min_rate and http_retry_s hold for s3:// and gs:// too. Endpoints (null: the default):
     s3_endpoint_url: str | None = None  # S3-compatible store (MinIO, Ceph, R2); null: AWS_ENDPOINT_URL or AWS
     gs_endpoint_url: str | None = None  # null: https://storage.googleapis.com (Cloud Storage's S3 API)
+    # Several data sets (Source, data.sources) with weights: the mixed epoch's samples (plan/mix.py)
+    epoch_samples: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -110,6 +128,9 @@ class StreamOptions:
     # With cache_dir: the next N remote shards of each worker's plan fetched into the cache while it reads
     # one (sources/ahead.py), so its opens find them there; 0: each shard fetched when it is opened
     cache_ahead: int = 2
+    # Several data sets (Source, data.sources): sample (every batch a random mixture of the rank's
+    # stream, each source's share held per epoch) or stratified (every batch holds each share, rounded)
+    mix: str = "sample"
 
 
 @dataclass(kw_only=True)
@@ -298,6 +319,11 @@ STREAM_RULES: tuple[Rule, ...] = (
         "only applies with loader.split=samples (the epoch default; give it in repeat mode)",
     ),
 )
+MIX_RULES: tuple[Rule, ...] = (
+    ("mix", lambda o: o.mix in MIXES, "sample or stratified"),
+    ("mix", lambda o: o.mix != "stratified" or o.cross_shuffle == 0, "stratified needs loader.cross_shuffle=0"),
+)
+STREAM_RULES += MIX_RULES
 LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
 

@@ -56,8 +56,9 @@ from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbat
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
-from wdsdist.data.options import LoaderConfig, Split
+from wdsdist.data.options import LoaderConfig, LoaderMode, ShardOrder, Source, Split
 from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
+from wdsdist.data.plan.mix import Mix, MixSource, check, epoch_total
 from wdsdist.data.plan.order import GLOBAL, NodeOrder, node_order, order_nodes
 from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
@@ -99,6 +100,7 @@ class RankLoader:
         state: dict | None = None,
         plan_: Plan | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mix: Mix | None = None,
     ):
         if cfg.train and cfg.decode_region:
             lib = jpegcrop.load()  # built here, once, before the workers start
@@ -113,8 +115,11 @@ class RankLoader:
             cfg = replace(cfg, cache_dir=None if limit is None else cfg.cache_dir, cache_limit=limit)
         self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
+        self.mix = mix
         self.resize: Resize | None = None
         same_layout = bool(state) and "resize" not in state
+        if state:
+            same_mix(state["resize"][0] if "resize" in state else state, mix, state.get("checkpoint", "the checkpoint"))
         if state and "resize" in state:
             # Every old rank's state, from a checkpoint of another layout: re-split here, where
             # the shards' counts are known (the same result on every rank).
@@ -123,8 +128,9 @@ class RankLoader:
                     f"{state.get('checkpoint', 'the checkpoint')} was saved on another layout: only "
                     f"loader.split=samples resumes on another layout"
                 )
+            totals = None if mix is None else functools.partial(epoch_total, mix)
             state, self.resize = resize_state(
-                state["resize"], rank, world, cfg, self.counts, state.get("checkpoint", "the checkpoint")
+                state["resize"], rank, world, cfg, self.counts, state.get("checkpoint", "the checkpoint"), totals
             )
         elif state and state.get("workers", cfg.workers) != cfg.workers:
             raise UserError(
@@ -164,7 +170,9 @@ class RankLoader:
         # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
         warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
         gate = multiprocessing.get_context().Event() if warm else None
-        self.dataset = ShardStream(shards, rank, world, cfg, point, shared, self.elastic, gate, transform, self.orders)
+        self.dataset = ShardStream(
+            shards, rank, world, cfg, point, shared, self.elastic, gate, transform, self.orders, mix
+        )
         loader = wds.WebLoader(
             self.dataset,
             batch_size=None,
@@ -192,11 +200,13 @@ class RankLoader:
         self.loader = loader
 
     def batches_of(self, epoch: int) -> int | None:
-        """Epoch mode: the batches every rank delivers in ``epoch`` (an elastic epoch's own count)."""
-        if self.plan_batches is None or epoch not in self.elastic:
+        """Epoch mode: the batches every rank delivers in ``epoch`` (an elastic epoch's own count,
+        and a mix's: its epochs' windows may differ by a sample per source)."""
+        if self.plan_batches is None or (epoch not in self.elastic and self.mix is None):
             return self.plan_batches
         cfg = self.cfg
-        batches = rank_batches(ranges_length(self.elastic[epoch]), self.world, cfg.batch_size, str(cfg.remainder))
+        total = ranges_length(self.elastic[epoch]) if epoch in self.elastic else epoch_total(self.mix, epoch)
+        batches = rank_batches(total, self.world, cfg.batch_size, str(cfg.remainder))
         return min(batches, self.plan.nbatches) if self.plan and self.plan.nbatches is not None else batches
 
     @property
@@ -208,16 +218,28 @@ class RankLoader:
         if self.epoch_batches is None:
             for batch in self.loader:
                 self.tracker.update(batch["id"], batch.get("skipped"))
-                yield batch
+                yield self._with_sources(batch)
             return
         if self.tracker.batches >= self.epoch_batches:
             self.tracker = ConsumedTracker(self.tracker.epoch + 1)
         remaining = self.epoch_batches - self.tracker.batches
         for i, batch in enumerate(self.loader):
             self.tracker.update(batch["id"], batch.get("skipped"))
-            yield batch
+            yield self._with_sources(batch)
             if i + 1 >= remaining:
                 break
+
+    def _with_sources(self, batch: dict) -> dict:
+        """Several data sets: ``batch["source"]``, each sample's source (its index in the mix),
+        from its epoch and position."""
+        if self.mix is not None:
+            epochs, pos = batch["id"][:, 0], batch["pos"]
+            source = torch.empty_like(pos)
+            for epoch in epochs.unique().tolist():
+                rows = epochs == epoch
+                source[rows] = torch.from_numpy(self.dataset.mix_epoch(epoch).sources(pos[rows].numpy())).long()
+            batch["source"] = source
+        return batch
 
     def end_epoch(self) -> None:
         """Epoch mode: end this epoch here, before its planned length (another rank ran out after
@@ -244,6 +266,8 @@ class RankLoader:
             "shuffle_buffer": self.cfg.shuffle_buffer,
             "seed": self.cfg.seed,
         }
+        if self.mix is not None:
+            state["mix"], state["sources"] = self.mix.digest(), self.mix.describe()
         if self.counts is not None:
             state["samples"], state["counts"] = sum(self.counts), counts_digest(self.counts)
             # An epoch under way that was re-split on resume: a later resume (same layout or not)
@@ -297,18 +321,74 @@ def counted_shards(shards: Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
     return [s if s.nsamples == n else replace(s, nsamples=n) for s, n in zip(shards, counts, strict=True)]
 
 
-def check_layout(shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equal: bool = True) -> Plan | None:
+def same_mix(state: dict, mix: Mix | None, where: str) -> None:
+    """Refuse, in one line naming the difference, a loader state of other sources (or none)."""
+    saved = state.get("mix")
+    if saved == (mix.digest() if mix is not None else None):
+        return
+    if mix is None:
+        raise UserError(f"{where} was saved reading several data sets ({state.get('sources')}): give the same sources")
+    if saved is None:
+        raise UserError(f"{where} was saved reading one data set: resume it without data.sources")
+    old = {name: [setting, size] for name, setting, size in state.get("sources", [])}
+    new = {name: [setting, size] for name, setting, size in mix.describe()}
+    changed = [
+        f"{n}: {old.get(n, 'absent')} then, {new.get(n, 'absent')} now"
+        for n in {**old, **new}
+        if old.get(n) != new.get(n)
+    ]
+    raise UserError(
+        f"{where} was saved with other data.sources ({'; '.join(changed) or 'epoch_samples'}): give the same sources"
+    )
+
+
+def mix_config(cfg: LoaderConfig) -> LoaderConfig:
+    """The config several data sets are read with: split=samples (what keeps each source's
+    promise exactly), refused in one line where another split or order is asked for."""
+    if cfg.mode == LoaderMode.resampled:
+        raise UserError("data.sources: loader.mode=resampled draws shards at random; use epoch or repeat")
+    if cfg.split == Split.shards:
+        raise UserError("data.sources needs loader.split=samples (each source's samples counted exactly)")
+    if cfg.shard_order == ShardOrder.node:
+        raise UserError("data.sources: loader.shard_order=node is not supported with several data sets; use global")
+    return replace(cfg, split=Split.samples)
+
+
+def resolve_sources(sources: Sequence[Source], cfg: LoaderConfig) -> tuple[list[Shard], Mix]:
+    """Every source's shards, counted, in one list, and the mix that reads them (refused in one
+    line naming the source where it cannot be read)."""
+    shards: list[Shard] = []
+    parts = []
+    for source in sources:
+        try:
+            mine = counted_shards(resolve_shards(source.shards, cfg), cfg)
+        except UserError as exc:
+            raise UserError(f"source {source.name!r}: {exc}") from None
+        index = tuple(range(len(shards), len(shards) + len(mine)))
+        shards += mine
+        counts = tuple(s.nsamples or 0 for s in mine)
+        parts.append(MixSource(source.name, index, counts, source.weight, source.repeat, source.samples))
+    mix = Mix(tuple(parts), cfg.epoch_samples)
+    check(mix)
+    return shards, mix
+
+
+def check_layout(
+    shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equal: bool = True, mix: Mix | None = None
+) -> Plan | None:
     """Plan the layout and refuse, with numbers and a fix, one that would hang or starve a rank.
 
-    Returns the plan when sample counts are known (always in epoch mode), else None.
+    Returns the plan when sample counts are known (always in epoch mode), else None. With a
+    mix, the plan is of its first epoch's sequence (later ones differ by a sample per source at most).
     """
     nw = max(cfg.workers, 1)
     if cfg.mode == "resampled":
         return None
     if cfg.by_samples:
         order_nodes(cfg.shard_order, world, cfg.node_ranks)  # whole nodes, or refused in one line
+        counts = [epoch_total(mix, 0)] if mix is not None else [s.nsamples or 0 for s in counted_shards(shards, cfg)]
         p = plan_samples(
-            [s.nsamples or 0 for s in counted_shards(shards, cfg)],
+            counts,
             world,
             nw,
             cfg.batch_size,

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import random
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
@@ -30,8 +33,9 @@ from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.warmstart import WarmStart, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.plan.mix import Mix, MixEpoch
 from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order
-from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces
+from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces, resplit_positions
 from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
 from wdsdist.data.sources.ahead import ReadAhead
 from wdsdist.data.sources.opener import open_shard
@@ -147,6 +151,7 @@ class ShardStream(IterableDataset):
         gate: Any | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         orders: dict[int, NodeOrder] | None = None,
+        mix: Mix | None = None,
     ):
         super().__init__()
         self.all_shards = list(shards)
@@ -170,6 +175,16 @@ class ShardStream(IterableDataset):
             self.order = node_order(cfg.shard_order, total, world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
         self.orders = orders or {}
         self.blocks: dict[NodeOrder, tuple[tuple[int, ...], ...]] = {}  # made once per order
+        self.mix = mix  # several data sets (plan/mix.py): the epoch's sequence interleaves their windows
+        self.mixed: MixEpoch | None = None  # the last epoch's, in each worker
+        # loader.mix=stratified, in each worker: epoch -> each source's rows in each batch of its span
+        self.stripes: dict[int, list[list[int]]] = {}
+
+    def mix_epoch(self, epoch: int) -> MixEpoch:
+        """The mix's epoch ``epoch`` (kept while it is the one read)."""
+        if self.mixed is None or self.mixed.epoch != epoch:
+            self.mixed = MixEpoch(self.mix, self.cfg.seed, epoch, self.cfg.batch_size)  # type: ignore[arg-type]
+        return self.mixed
 
     def _passes(self, worker: int, nworkers: int, epoch: int) -> list[Iterable[str]]:
         """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
@@ -187,6 +202,9 @@ class ShardStream(IterableDataset):
         """split=samples: the raw samples of this worker's span of the epoch's sample sequence,
         each marked with its position in it; a position the read did not deliver (the shard
         failed, or held fewer samples than its count) comes as a FAILED placeholder."""
+        if self.mix is not None:
+            yield from self._mixed_span(worker, nworkers, epoch, bad)
+            return
         cfg, shards = self.cfg, self.all_shards
         key = self.orders.get(epoch, self.order)
         if key not in self.blocks:
@@ -204,6 +222,50 @@ class ShardStream(IterableDataset):
                 yield sample
             for i in range(got, last - first):
                 yield {POSITION: position + i, FAILED: True}
+
+    def _mixed_span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
+        """_span for several data sets: the worker's positions of the mixed sequence, in order,
+        each read from its source's stream. A source's part of the span is a run of its window,
+        read shard after shard by a reader of its own, so a worker holds one shard open per source."""
+        cfg, mixed = self.cfg, self.mix_epoch(epoch)
+        total = mixed.total
+        ranges = self.elastic.get(epoch)
+        if ranges is None:
+            batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
+            start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
+            runs = [(a, min(b, total), a) for a, b in [(start, stop)] if a < total]
+            runs += [(a - total, b - total, a) for a, b in [(max(start, total), stop)] if a < b]
+            past = total
+        else:
+            _, runs = resplit_positions(ranges, self.rank, self.world, worker, nworkers, cfg.batch_size, cfg.remainder)
+            past = ranges_length(ranges)
+        sources, pieces = mixed.reads([(a, b) for a, b, _ in runs])
+        if cfg.mix == "stratified":
+            width = len(self.mix.sources)  # type: ignore[union-attr]
+            batches = sources[: len(sources) // cfg.batch_size * cfg.batch_size].reshape(-1, cfg.batch_size)
+            self.stripes = {epoch: [np.bincount(b, minlength=width).tolist() for b in batches]}
+        tags = itertools.chain.from_iterable(
+            range(a + total * (v >= past), b + total * (v >= past)) for a, b, v in runs
+        )
+        readers = [self._source_samples(p, worker, bad) for p in pieces]
+        for source, tag in zip(sources.tolist(), tags, strict=True):
+            sample = next(readers[source])
+            sample[POSITION] = tag
+            yield sample
+
+    def _source_samples(self, pieces: list[tuple[int, int, int]], worker: int, bad: list) -> Iterator[dict]:
+        """One source's samples of these (shard, first, stop) pieces, a FAILED placeholder for each
+        that its read did not deliver."""
+        shards = self.all_shards
+        ahead = ReadAhead(pieces, lambda piece: shards[piece[0]].url, self.cfg.access, self.cfg.cache_ahead)
+        for index, first, last in ahead:
+            shard = shards[index]
+            got, read = 0, functools.partial(self._read_piece, shard, first, last)
+            for sample in self._read_guarded(shard.url, read, worker, bad, ahead.opened):
+                got += 1
+                yield sample
+            for _ in range(got, last - first):
+                yield {FAILED: True}
 
     def _pieces(
         self, cumulative: list[int], worker: int, nworkers: int, epoch: int
@@ -329,6 +391,10 @@ class ShardStream(IterableDataset):
         rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
         if info is not None:
             rows = _primed(rows)
+        if self.mix is not None and cfg.mix == "stratified":
+            return stratified(
+                rows, self, cfg.batch_size, collation, partial, cap=4 * cfg.batch_size + cfg.shuffle_buffer
+            )
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(
@@ -403,3 +469,65 @@ class ShardStream(IterableDataset):
                 # With the cross-worker shuffle each epoch stays one DataLoader iteration, so
                 # the shuffle buffer empties before the next begins and a resume is exact.
                 return
+
+
+def quotas(shares: Sequence[float], carry: list[float], size: int) -> list[int]:
+    """Each source's rows in the next batch of ``size``: its share, rounded so that the counts sum
+    to ``size`` (largest remainders), what rounding gave or took carried to the next batch."""
+    exact = [share * size + c for share, c in zip(shares, carry, strict=True)]
+    want = [max(0, math.floor(x)) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: (want[i] - exact[i], i))[: max(0, size - sum(want))]:
+        want[i] += 1
+    for i, x in enumerate(exact):
+        carry[i] = x - want[i]
+    return want
+
+
+def stratified(
+    rows: Iterator[tuple], stream: ShardStream, size: int, collation: Callable, partial: bool, cap: int
+) -> Iterator[dict]:
+    """loader.mix=stratified: the worker's n-th batch of an epoch holds as many rows of each
+    source as the n-th batch of its span of the mixed sequence (ShardStream.stripes: each
+    source's share, rounded), taken from its shuffled rows sorted into one queue per source.
+    Where a queue runs dry (its rows failed, or a resumed epoch left other counts) or rows wait
+    past ``cap``, the batch is made up from the other queues, and later batches follow the
+    epoch's shares."""
+    queues: list[deque] = [deque() for _ in stream.mix.sources]  # type: ignore[union-attr]
+    carry = [0.0] * len(queues)
+    rows = iter(rows)
+    ended, epoch, made = False, None, 0
+
+    def pull() -> bool:
+        nonlocal epoch, made
+        row = next(rows, None)
+        if row is None:
+            return False
+        if row[2][0] != epoch:
+            epoch, made = row[2][0], 0
+        queues[int(stream.mix_epoch(epoch).sources(row[2][3]))].append(row)
+        return True
+
+    ended = not pull()
+    while not ended or any(queues):
+        if not any(queues):
+            ended = not pull()
+            continue
+        plan = stream.stripes.get(epoch)
+        if plan is not None and made < len(plan) and sum(plan[made]) == size:
+            want = list(plan[made])
+        else:
+            mixed = stream.mix_epoch(epoch)
+            want = quotas([n / mixed.total for _, n in mixed.windows], carry, size)
+        while not ended and sum(map(len, queues)) < cap and any(len(q) < w for q, w in zip(queues, want, strict=True)):
+            ended = not pull()
+        take = [min(len(q), w) for q, w in zip(queues, want, strict=True)]
+        short = size - sum(take)
+        for i in sorted(range(len(queues)), key=lambda i: take[i] - len(queues[i])):
+            extra = min(short, len(queues[i]) - take[i])
+            take[i] += extra
+            short -= extra
+        batch = [q.popleft() for q, n in zip(queues, take, strict=True) for _ in range(n)]
+        if len(batch) < size and not partial:
+            return
+        made += 1
+        yield collation(batch)

@@ -14,7 +14,7 @@ O(ranks x workers) ranges; the replay costs O(samples of the epoch) time once, a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from wdsdist.data.options import LoaderConfig
@@ -101,11 +101,18 @@ def _layout(world: int, workers: int) -> str:
 # One long function: the refusals, the per-epoch re-split and the summary read as
 # one sequence of checks and steps; split apart, each piece would need most of the others' names.
 def resize_state(
-    saved: Sequence[dict], rank: int, world: int, cfg: LoaderConfig, counts: Sequence[int], where: str
+    saved: Sequence[dict],
+    rank: int,
+    world: int,
+    cfg: LoaderConfig,
+    counts: Sequence[int],
+    where: str,
+    totals: Callable[[int], int] | None = None,
 ) -> tuple[dict, Resize]:
     """This rank's loader state on ``world`` ranks x ``cfg.workers`` workers, from every old rank's
     saved state (in rank order); ``counts``: the shards' sample counts now; ``where`` names the
-    checkpoint in errors. Refuses (UserError, one line) what it cannot re-split exactly."""
+    checkpoint in errors; ``totals``: an epoch's sequence length where it is not the shards' sum
+    (several data sets, plan/mix.py). Refuses (UserError, one line) what it cannot re-split exactly."""
     old_world, old_workers = len(saved), saved[0].get("workers", "?")
     layout = f"{where} was saved with {old_world} ranks x {old_workers} workers, now {world} x {cfg.workers}"
     missing = [key for key in NEEDED if any(key not in s for s in saved)]
@@ -138,7 +145,9 @@ def resize_state(
     for epoch in range(lo, max(begun_epochs, default=lo) + 1):
         elastic = saved_ranges.get(str(epoch))
         ranges: Ranges = (
-            tuple((int(a), int(b)) for a, b in elastic) if elastic is not None else whole_epoch(sum(counts))
+            tuple((int(a), int(b)) for a, b in elastic)
+            if elastic is not None
+            else whole_epoch(totals(epoch) if totals else sum(counts))
         )
         begun = any(e >= epoch for e in begun_epochs) or any(p.epoch > epoch for p in points)
         if not begun and elastic is None:  # not begun by anyone: whole on the new layout

@@ -309,6 +309,20 @@ def remaining_after(ranges: Ranges, progress: Iterable[WorkerProgress]) -> Range
     return subtract_ranges(ranges, taken)
 
 
+def resplit_positions(
+    ranges: Ranges, rank: int, world: int, worker: int, nworkers: int, batch_size: int, remainder: str
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """One worker's share of an epoch's remaining ``ranges`` on a (new) layout: (the batches every
+    rank delivers, its real positions as (start, stop, virtual start) runs in reading order). The
+    remaining positions are one sequence of M samples split by the rule of a whole epoch
+    (splits.rank_batches, splits.sample_span), so every rank gets the same batches and the
+    padding is below world x batch_size whatever the workers. A run never straddles the
+    remaining sequence's end: from a virtual start of M on, a run is padding as a whole."""
+    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+    return batches, list(virtual_to_real(ranges, start, stop))
+
+
 def resplit_pieces(
     ranges: Ranges,
     cumulative: Sequence[int],
@@ -319,16 +333,12 @@ def resplit_pieces(
     batch_size: int,
     remainder: str,
 ) -> tuple[int, list[tuple[int, int, int, int]]]:
-    """One worker's share of an epoch's remaining ``ranges`` on a (new) layout: (the batches every
-    rank delivers, the pieces to read). The remaining positions are one sequence of M samples
-    split by the rule of a whole epoch (splits.rank_batches, splits.sample_span), so every rank
-    gets the same batches and the padding is below world x batch_size whatever the workers.
-    ``cumulative`` is the epoch's shard order's sample counts, cumulated (splits.span_pieces);
-    a piece is (slot, first, stop, virtual position of its first sample)."""
-    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
-    start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+    """resplit_positions read through the epoch's shard order: (the batches every rank delivers,
+    the pieces to read). ``cumulative`` is the epoch's shard order's sample counts, cumulated
+    (splits.span_pieces); a piece is (slot, first, stop, virtual position of its first sample)."""
+    batches, runs = resplit_positions(ranges, rank, world, worker, nworkers, batch_size, remainder)
     pieces = []
-    for real_start, real_stop, v in virtual_to_real(ranges, start, stop):
+    for real_start, real_stop, v in runs:
         for slot, first, last, position in span_pieces(cumulative, real_start, real_stop):
             pieces.append((slot, first, last, v + position - real_start))
     return batches, pieces

@@ -1,0 +1,198 @@
+"""Several data sets in one epoch (Source, plan/mix.py): each source read exactly as its setting
+says across epochs, equal batches on every rank, stratified batches, and a mid-epoch resume on
+another world size that keeps every source's count.
+
+Samples are named by (source, key): each source's shards have their own keys, and a batch's
+``source`` says which source a row came from."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from wdsdist.data import Loader, LoaderConfig, Source, UserError
+from wdsdist.data.plan.mix import Mix, MixEpoch, MixSource, check, coverage, interleave, windows
+from wdsdist.data.plan.splits import rank_batches
+
+# Uneven shards, three sources of different sizes.
+SHARDS = {"big": [13, 7, 10, 5], "small": [4, 5], "tiny": [3]}
+BS = 4
+
+
+def cfg(**kw):
+    base = dict(batch_size=BS, workers=0, mode="epoch", image_size=8, with_keys=True, shuffle_buffer=12, seed=5)
+    return LoaderConfig(**(base | kw))
+
+
+@pytest.fixture
+def specs(tiny_shards):
+    return {name: str(tiny_shards(counts, prefix=name)) for name, counts in SHARDS.items()}
+
+
+def sources(specs, **settings):
+    return [Source(name, specs[name], **settings.get(name, {})) for name in SHARDS]
+
+
+def keys_of(name):
+    return [f"s{i:07d}" for i in range(sum(SHARDS[name]))]
+
+
+def epoch_samples(loaders, window=None):
+    """Every rank's batches of one epoch: (per-rank (batches, len()), Counter of (source name, key),
+    Counter of positions). ``window``: count only positions below it (the padding left out)."""
+    names = list(SHARDS)
+    lengths, got, positions = [], Counter(), Counter()
+    for loader in loaders:
+        batches = list(loader)
+        lengths.append((len(batches), len(loader)))
+        for b in batches:
+            rows = zip(b["source"].tolist(), b["key"], b["pos"].tolist(), strict=True)
+            got.update((names[s], k) for s, k, p in rows if window is None or p < window)
+            positions.update(b["pos"].tolist())
+    return lengths, got, positions
+
+
+def per_source(got, name):
+    return Counter({k: n for (s, k), n in got.items() if s == name})
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_windows_tile_each_sources_stream_so_half_a_repeat_reads_one_pass_over_two_epochs():
+    mix = Mix((MixSource("a", (0,), (11,), repeat=0.5), MixSource("b", (1,), (4,), repeat=3)))
+    assert [windows(mix, e) for e in range(3)] == [((0, 5), (0, 12)), ((5, 6), (12, 12)), ((11, 5), (24, 12))]
+
+
+@pytest.mark.parametrize("lengths", [(11, 24, 4), (1, 99), (50, 50, 50), (7, 3, 1, 200), (3, 1000)])
+@pytest.mark.parametrize("size", [1, 4, 16, 64])
+def test_every_batch_of_the_sequence_holds_each_share_rounded_and_every_sample_once(lengths, size):
+    source_of, index_of = interleave(lengths, size)
+    total = sum(lengths)
+    for s, n in enumerate(lengths):  # each source's samples in order, each once
+        assert index_of[source_of == s].tolist() == list(range(n))
+    for start in range(0, total - size + 1, size):  # every whole batch: the share rounded
+        counts = np.bincount(source_of[start : start + size], minlength=len(lengths))
+        for s, n in enumerate(lengths):
+            share = n * size / total
+            assert np.floor(share) <= counts[s] <= np.ceil(share), (start, s, counts)
+
+
+def test_a_source_given_two_settings_or_a_weight_without_an_epoch_size_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"source 'a': give one of weight, repeat, samples \(got weight, repeat\)"):
+        check(Mix((MixSource("a", (0,), (5,), weight=1, repeat=2),)))
+    with pytest.raises(UserError, match=r"source 'a' has a weight: give data.epoch_samples"):
+        check(Mix((MixSource("a", (0,), (5,), weight=1),)))
+    with pytest.raises(UserError, match=r"two sources are named 'a'"):
+        check(Mix((MixSource("a", (0,), (5,)), MixSource("a", (1,), (5,)))))
+
+
+# ---------------------------------------------------------------- the loader
+
+
+SETTINGS = {
+    "repeat 0.5 / 1 / 3": {"big": {"repeat": 0.5}, "small": {}, "tiny": {"repeat": 3}},
+    "weights": {"big": {"weight": 0.6}, "small": {"weight": 0.3}, "tiny": {"weight": 0.1}},
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_two_epochs_on_two_ranks_of_two_workers_deliver_each_source_as_promised(specs, setting):
+    c = cfg(workers=2, epoch_samples=40)
+    world = 2
+    loaders = [Loader(sources(specs, **SETTINGS[setting]), c, rank=r, world=world) for r in range(world)]
+    mix = loaders[0].mix
+    read = Counter()  # (source, key) over both epochs, padding left out
+    for epoch in range(2):
+        total = sum(n for _, n in windows(mix, epoch))
+        lengths, got, positions = epoch_samples(loaders, window=total)
+        k = rank_batches(total, world, BS, "pad")
+        assert lengths == [(k, k)] * world  # equal batches, as len() says
+        # every position of the epoch's sequence once, and the padding the plan states, once
+        padding = k * world * BS - total
+        assert positions == Counter(range(total)) + Counter(range(total, total + padding))
+        for row, (_, n) in zip(coverage(mix, epoch, padding, BS), windows(mix, epoch), strict=True):
+            assert sum(per_source(got, row["name"]).values()) == row["samples"] == n
+        assert sum(row["padding"] for row in coverage(mix, epoch, padding, BS)) == padding
+        read += got
+    for name in SHARDS:  # no sample twice before every sample once, over the epochs
+        mine = per_source(read, name)
+        counts = [mine[k] for k in keys_of(name)]
+        assert sum(counts) == sum(n for e in range(2) for (_, n), s in zip(windows(mix, e), SHARDS) if s == name)
+        assert max(counts) - min(counts) <= 1, (name, counts)
+    if setting != "weights":  # half a pass per epoch: once in two; one: twice; three: six times
+        assert {n: set(per_source(read, n).values()) for n in SHARDS} == {"big": {1}, "small": {2}, "tiny": {6}}
+    else:  # 24, 12 and 4 of every 40: each source's share of the mixed epoch
+        assert [n for _, n in windows(mix, 0)] == [24, 12, 4]
+
+
+def test_stratified_batches_hold_the_sources_of_their_stretch_of_the_sequence_on_every_rank(specs):
+    setting = sources(specs, big={"repeat": 1}, small={"repeat": 2}, tiny={"repeat": 2})
+    world = 2
+    plain = [Loader(setting, cfg(shuffle_buffer=0), rank=r, world=world) for r in range(world)]
+    strat = [Loader(setting, cfg(mix="stratified", workers=2), rank=r, world=world) for r in range(world)]
+    mixed = MixEpoch(plain[0].mix, 5, 0, BS)
+    shares = [n / mixed.total for _, n in mixed.windows]
+    for p, s in zip(plain, strat, strict=True):
+        want = [Counter(b["source"].tolist()) for b in p]
+        got = [Counter(b["source"].tolist()) for b in s]
+        # with workers=2 a rank's batches alternate between its workers' spans
+        assert sorted(map(sorted_items, got)) == sorted(map(sorted_items, want))
+        for batch in got:
+            for source, share in enumerate(shares):
+                assert np.floor(share * BS) <= batch[source] <= np.ceil(share * BS)
+    # the shuffle did move samples across the batches (what stratifying must undo)
+    loose = [Counter(b["source"].tolist()) for b in Loader(setting, cfg(workers=2), rank=0, world=world)]
+    assert loose != [Counter(b["source"].tolist()) for b in plain[0]]
+
+
+def sorted_items(counter):
+    return tuple(sorted(counter.items()))
+
+
+def test_a_mid_epoch_resume_on_another_world_size_keeps_every_sources_count(specs):
+    setting = sources(specs, big={"repeat": 0.5}, tiny={"repeat": 3})
+    c = cfg(workers=1)
+    straight = Loader(setting, c)  # the epoch's window, one rank: what every layout must deliver
+    total = sum(n for _, n in windows(straight.mix, 0))
+    window = epoch_samples([straight], window=total)[1]
+    before = [Loader(setting, c, rank=r, world=2) for r in range(2)]
+    got, real = Counter(), 0  # real: positions of the sequence delivered (the others are padding)
+    names = list(SHARDS)
+    for loader in before:
+        for b in itertools.islice(iter(loader), 2):
+            got.update((names[s], k) for s, k in zip(b["source"].tolist(), b["key"], strict=True))
+            real += int((b["pos"] < total).sum())
+    states = json.loads(json.dumps([loader.state_dict()["ranks"][r] for r, loader in enumerate(before)]))
+    after = [Loader(setting, c, rank=r, world=3) for r in range(3)]
+    for loader in after:
+        loader.load_state_dict(states)
+    lengths, rest, _ = epoch_samples(after)
+    assert len(set(lengths)) == 1  # equal batches on the new layout
+    got += rest
+    resize = after[0].resize
+    assert resize.remaining == total - real
+    assert not window - got  # missing: none, of any source
+    # extra: the padding delivered before the resume and the new layout's stated padding
+    assert sum((got - window).values()) == (2 * 2 * BS - real) + (resize.delivered - resize.remaining)
+
+
+def test_other_sources_on_resume_are_refused_in_one_line_naming_the_change(specs):
+    first = Loader(sources(specs, tiny={"repeat": 3}), cfg())
+    next(iter(first))
+    state = first.state_dict()
+    again = Loader(sources(specs, tiny={"repeat": 2}), cfg())
+    with pytest.raises(UserError, match=r"other data.sources \(tiny: \['repeat=3', 3\] then, \['repeat=2', 3\] now\)"):
+        again.load_state_dict(state)
+        next(iter(again))
+
+
+def test_several_data_sets_need_the_sample_split(specs):
+    with pytest.raises(UserError, match=r"data.sources needs loader.split=samples"):
+        Loader(sources(specs), cfg(split="shards"))
+    repeat = Loader(sources(specs), cfg(mode="repeat"))  # the epochless default takes the sample split
+    assert repeat.config.by_samples and "source" in next(iter(repeat))

@@ -1,0 +1,249 @@
+"""Several data sets in one epoch (``Source``, data.sources): pure functions, no I/O.
+
+Each source is read as an endless stream of passes, each pass its shards in a new order (seed,
+source name, pass). An epoch takes a window of that stream from each source: ``repeat`` x its
+samples, ``samples``, or its ``weight``'s share of ``epoch_samples``. Windows follow each other,
+so with ``repeat: 0.5`` epochs 0 and 1 read one pass between them, each sample once, and with
+``repeat: 3`` an epoch reads three whole passes.
+
+The epoch's sample sequence interleaves the windows in stretches of a batch (``stripes``): each
+holds every source's share of it, rounded down or up, so every batch of every rank does (in
+the sequence's order; loader.mix=stratified keeps it through the shuffle). From there on the mix is
+an ordinary epoch of split=samples: cut into equal spans per rank and worker, padded with its
+first positions, resumed and re-split on another layout by positions (splits.py, resume.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from wdsdist.data.plan.splits import span_pieces
+from wdsdist.errors import UserError
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """A source as the plan sees it: its shards' indices in the loader's shard list, their sample
+    counts, and its one setting (the others None)."""
+
+    name: str
+    shards: tuple[int, ...]
+    counts: tuple[int, ...]
+    weight: float | None = None
+    repeat: float | None = None
+    samples: int | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def setting(self) -> str:
+        for key in ("weight", "repeat", "samples"):
+            if getattr(self, key) is not None:
+                return f"{key}={getattr(self, key):g}"
+        return "repeat=1"
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The sources of a mixed epoch and, with weights, the mixed epoch's size."""
+
+    sources: tuple[MixSource, ...]
+    epoch_samples: int | None = None
+
+    def digest(self) -> str:
+        """What a checkpoint of this mix must match to resume it: names, settings, shards' counts."""
+        text = json.dumps([[s.name, s.setting, list(s.counts)] for s in self.sources] + [self.epoch_samples])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> list[list]:
+        """Names, settings and sizes, for a checkpoint: what a refusal names when they change."""
+        return [[s.name, s.setting, s.size] for s in self.sources]
+
+
+def check(mix: Mix) -> None:
+    """Refuse a mix that cannot be read, in one line naming the source."""
+    names = [s.name for s in mix.sources]
+    if not mix.sources:
+        raise UserError("data.sources is empty: give at least one source")
+    if len(set(names)) != len(names):
+        raise UserError(f"data.sources: two sources are named {next(n for n in names if names.count(n) > 1)!r}")
+    for s in mix.sources:
+        given = [k for k in ("weight", "repeat", "samples") if getattr(s, k) is not None]
+        if len(given) > 1:
+            raise UserError(f"source {s.name!r}: give one of weight, repeat, samples (got {', '.join(given)})")
+        if s.size <= 0:
+            raise UserError(f"source {s.name!r} has no samples")
+        value = getattr(s, given[0]) if given else 1
+        if value <= 0:
+            raise UserError(f"source {s.name!r}: {given[0]}={value} must be > 0")
+    weighted = [s for s in mix.sources if s.weight is not None]
+    if weighted and mix.epoch_samples is None:
+        raise UserError(f"source {weighted[0].name!r} has a weight: give data.epoch_samples (the mixed epoch's size)")
+    if weighted and mix.epoch_samples is not None and _weighted_room(mix) <= 0:
+        raise UserError(
+            f"data.epoch_samples={mix.epoch_samples} leaves no room for the weighted sources after "
+            f"the others' {mix.epoch_samples - _weighted_room(mix)} samples"
+        )
+
+
+def _weighted_room(mix: Mix) -> int:
+    fixed = sum(per_epoch(s, mix) for s in mix.sources if s.weight is None)
+    return int((mix.epoch_samples or 0) - fixed)
+
+
+def per_epoch(source: MixSource, mix: Mix) -> Fraction:
+    """Samples of ``source`` an epoch reads, exactly (a fraction: windows are cut at its multiples)."""
+    if source.samples is not None:
+        return Fraction(source.samples)
+    if source.weight is None:
+        return Fraction(str(source.repeat if source.repeat is not None else 1)) * source.size
+    weights = sum(Fraction(str(s.weight)) for s in mix.sources if s.weight is not None)
+    return Fraction(str(source.weight)) / weights * _weighted_room(mix)
+
+
+def windows(mix: Mix, epoch: int) -> tuple[tuple[int, int], ...]:
+    """(first, length) of each source's window in its stream for ``epoch``: [floor(e x R), floor((e+1) x R)),
+    so consecutive epochs tile the stream and no sample comes twice before all came once."""
+    out = []
+    for s in mix.sources:
+        rate = per_epoch(s, mix)
+        first = (epoch * rate).__floor__()
+        out.append((first, ((epoch + 1) * rate).__floor__() - first))
+    return tuple(out)
+
+
+def epoch_total(mix: Mix, epoch: int) -> int:
+    """Samples in the mixed epoch's sequence (before the padding to equal batches)."""
+    return sum(length for _, length in windows(mix, epoch))
+
+
+def stripes(lengths: Sequence[int], size: int) -> np.ndarray:
+    """Each source's samples in each stretch of ``size`` positions of the mixed sequence (the
+    last stretch may be shorter): its share of ``size``, rounded down or up, the sources whose
+    running count lags most behind their share rounded up, so that every count stays within a
+    sample of its share from the start and the stretches sum to each source's length. A batch
+    of a rank is such a stretch (rank spans start at multiples of the batch size)."""
+    total, width = sum(lengths), len(lengths)
+    full, last = divmod(total, size)
+    out = np.zeros((full + (last > 0), width), dtype=np.int64)
+    if total == 0:
+        return out
+    base = [size * n // total for n in lengths]
+    given = [0] * width
+    for j in range(full):
+        # twice the lag of each source behind its share of the positions so far, in units of 1/total
+        lag = [(j + 1) * size * n - (g + b) * total for n, g, b in zip(lengths, given, base, strict=True)]
+        up = sorted(range(width), key=lambda s: (-lag[s], s))[: size - sum(base)]
+        for s in range(width):
+            count = min(base[s] + (s in up), lengths[s] - given[s])
+            out[j, s] = count
+            given[s] += count
+        short = size - int(out[j].sum())
+        for s in sorted(range(width), key=lambda s: (-lag[s], s)):  # a source that ran out: another's turn
+            extra = min(short, lengths[s] - given[s])
+            out[j, s] += extra
+            given[s] += extra
+            short -= extra
+    if last:
+        out[full] = [n - g for n, g in zip(lengths, given, strict=True)]
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def interleave(lengths: tuple[int, ...], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, index in its window) of each position of the mixed sequence: stretch after
+    stretch of ``size`` (``stripes``), each holding its sources' counts one source after another.
+    The same arrays on every rank and worker: numbers only, no seed."""
+    counts = stripes(lengths, size)
+    source_of = np.repeat(np.tile(np.arange(len(lengths), dtype=np.int32), len(counts)), counts.ravel())
+    index_of = np.zeros(len(source_of), dtype=np.int64)
+    for s, n in enumerate(lengths):
+        index_of[source_of == s] = np.arange(n)
+    return source_of, index_of
+
+
+def pass_order(source: MixSource, seed: int, number: int) -> list[int]:
+    """Pass ``number`` of the source's stream: its shards (indices into its list) in a new order."""
+    order = list(range(len(source.shards)))
+    random.Random(f"{seed}:{source.name}:pass:{number}").shuffle(order)
+    return order
+
+
+def stream_pieces(source: MixSource, seed: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """Samples [start, stop) of the source's stream as (shard index in the loader's list, first,
+    stop) pieces of shards, pass after pass."""
+    size = source.size
+    u = start
+    while u < stop:
+        number, at = divmod(u, size)
+        order = pass_order(source, seed, number)
+        cumulative = list(itertools.accumulate((source.counts[i] for i in order), initial=0))
+        take = min(size - at, stop - u)
+        for slot, first, last, _ in span_pieces(cumulative, at, at + take):
+            yield source.shards[order[slot]], first, last
+        u += take
+
+
+class MixEpoch:
+    """One epoch of a mix: its windows, and where each position of its sequence reads from."""
+
+    def __init__(self, mix: Mix, seed: int, epoch: int, batch_size: int):
+        self.mix, self.seed, self.epoch = mix, seed, epoch
+        self.windows = windows(mix, epoch)
+        self.total = sum(n for _, n in self.windows)
+        self.source_of, self.index_of = interleave(tuple(n for _, n in self.windows), batch_size)
+
+    def sources(self, positions: np.ndarray) -> np.ndarray:
+        """The source of each position (from N on: the padding, position - N again)."""
+        return self.source_of[np.asarray(positions) % self.total]
+
+    def counts(self, start: int, stop: int) -> list[int]:
+        """Samples of each source at positions [start, stop) (wrapping past N: the padding)."""
+        picked = self.source_of[np.arange(start, stop) % self.total]
+        return np.bincount(picked, minlength=len(self.windows)).tolist()
+
+    def reads(self, positions: Sequence[tuple[int, int]]) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
+        """What reading ``positions`` (real [start, stop) ranges of the sequence, in order) takes:
+        the source of each position in turn, and per source the shard pieces that give its
+        samples in that same order (each source's part of a stretch is a run of its window)."""
+        spots = np.concatenate([np.arange(a, b) for a, b in positions]) if positions else np.zeros(0, np.int64)
+        sources = self.source_of[spots]
+        pieces: list[list[tuple[int, int, int]]] = []
+        for s, source in enumerate(self.mix.sources):
+            first = self.windows[s][0]
+            index = self.index_of[spots[sources == s]]
+            runs = _runs(index)
+            pieces.append([p for a, b in runs for p in stream_pieces(source, self.seed, first + a, first + b)])
+        return sources, pieces
+
+
+def _runs(index: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive runs [a, b) of a sequence of integers, in order."""
+    if len(index) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(index) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(index)]))
+    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
+
+
+def coverage(mix: Mix, epoch: int, padded: int, batch_size: int) -> list[dict]:
+    """Per source, for the epoch line and simdist: the samples its window reads, what they are in
+    passes of it, and how many of the ``padded`` positions (the sequence's first) are its."""
+    total = epoch_total(mix, epoch)
+    pad = MixEpoch(mix, 0, epoch, batch_size).counts(total, total + padded) if padded else [0] * len(mix.sources)
+    return [
+        {"name": s.name, "setting": s.setting, "samples": n, "passes": n / s.size, "padding": p}
+        for s, (_, n), p in zip(mix.sources, windows(mix, epoch), pad, strict=True)
+    ]
