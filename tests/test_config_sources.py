@@ -59,6 +59,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "http_retry_s": 7.5,
         "s3_endpoint_url": "http://minio.local:9000",
         "gs_endpoint_url": "http://gcs.local:4443",
+        "epoch_samples": 1000,
     }
     stream = {
         "mode": "epoch",
@@ -77,6 +78,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "cache_dir": str(tmp_path / "cache"),
         "cache_limit": "500MiB",
         "cache_ahead": 5,
+        "mix": "stratified",
     }
     assert sorted(changed) == sorted(names(SampleOptions)) and sorted(stream) == sorted(names(StreamOptions))
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]

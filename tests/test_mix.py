@@ -194,5 +194,29 @@ def test_other_sources_on_resume_are_refused_in_one_line_naming_the_change(specs
 def test_several_data_sets_need_the_sample_split(specs):
     with pytest.raises(UserError, match=r"data.sources needs loader.split=samples"):
         Loader(sources(specs), cfg(split="shards"))
+    with pytest.raises(UserError, match=r"loader.mix=stratified makes each batch in its worker: use loader.cross_"):
+        Loader(sources(specs), cfg(mix="stratified", cross_shuffle=8))
     repeat = Loader(sources(specs), cfg(mode="repeat"))  # the epochless default takes the sample split
     assert repeat.config.by_samples and "source" in next(iter(repeat))
+
+
+def test_new_weights_at_an_epoch_end_carry_each_sources_coverage_over_and_are_refused_mid_epoch(specs, capsys):
+    c = cfg(epoch_samples=24, remainder="drop")
+    first = sources(specs, big={"weight": 0.5}, small={"weight": 0.25}, tiny={"weight": 0.25})
+    loader = Loader(first, c)
+    seen = per_source(epoch_samples([loader])[1], "big")  # epoch 0: 12 of big's 35
+    state = loader.state_dict()  # at the end of epoch 0
+    later = sources(specs, big={"weight": 0.75}, small={"weight": 0.125}, tiny={"weight": 0.125})
+    resumed = Loader(later, c)
+    resumed.load_state_dict(state)
+    assert "data.sources: new weights from epoch 1 (a curriculum): big 0.5 -> 0.75, small 0.25 -> 0.125" in (
+        capsys.readouterr().err
+    )
+    assert [n for _, n in windows(resumed.mix, 1)] == [18, 3, 3]
+    assert windows(resumed.mix, 1)[0][0] == 12  # big goes on where epoch 0 left its stream
+    seen += per_source(epoch_samples([resumed])[1], "big")
+    assert sum(seen.values()) <= 30 and max(seen.values()) == 1  # 12 + up to 18: none twice before all once
+    mid = Loader(first, c)
+    next(iter(mid))
+    with pytest.raises(UserError, match=r"in the middle of epoch 0 with other weights"):
+        Loader(later, c).load_state_dict(mid.state_dict())

@@ -29,6 +29,7 @@ from wdsdist.data.delivery.pipeline import (
 )
 from wdsdist.data.options import LoaderConfig, LoaderMode, Source
 from wdsdist.data.plan.elastic import Resize, rank_state
+from wdsdist.data.plan.mix import carry_over
 from wdsdist.data.plan.splits import Plan
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
@@ -224,6 +225,7 @@ class Loader:
         if not isinstance(state, dict) or not state.get("ranks") or state.get("format", STATE_FORMAT) != STATE_FORMAT:
             raise ValueError(f"{where} is not a wdsdist loader state ({STATE_FORMAT!r}: every rank's)")
         ranks, cfg = state["ranks"], self.config
+        self._carry_mix(ranks, where)
         self.steps = int(state.get("steps", 0))
         workers = next(r for r in ranks if r is not None).get("workers", cfg.workers)
         self._inner, self._stream, self._seed, self._before_resume = None, None, cfg.seed, 0
@@ -258,6 +260,20 @@ class Loader:
                 file=sys.stderr,
             )
         self._state, self._seed = None, cfg.seed + self.steps
+
+    def _carry_mix(self, ranks: list, where: str) -> None:
+        """Several data sets: go on with the checkpoint's mix (its origin), or with new weights
+        from the epoch it ended (a curriculum, said in one line); refuse other changes."""
+        first = next(r for r in ranks if r is not None)
+        if self.mix is None or first.get("mix_spec") is None:
+            return  # no mix on one side: the rank loader refuses it, naming which
+        boundary = all(
+            r is None or (not r.get("point", {}).get("workers") and not int(r.get("batches", 0))) for r in ranks
+        )
+        epoch = int(first.get("point", {}).get("epoch", 0))
+        self.mix, line = carry_over(first["mix_spec"], first.get("mix"), self.mix, epoch, boundary, where)
+        if line is not None and self.rank == 0:
+            print(line, file=sys.stderr, flush=True)
 
 
 class EvalLoader:

@@ -321,7 +321,6 @@ STREAM_RULES: tuple[Rule, ...] = (
 )
 MIX_RULES: tuple[Rule, ...] = (
     ("mix", lambda o: o.mix in MIXES, "sample or stratified"),
-    ("mix", lambda o: o.mix != "stratified" or o.cross_shuffle == 0, "stratified needs loader.cross_shuffle=0"),
 )
 STREAM_RULES += MIX_RULES
 LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)

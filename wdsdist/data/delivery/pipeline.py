@@ -267,7 +267,7 @@ class RankLoader:
             "seed": self.cfg.seed,
         }
         if self.mix is not None:
-            state["mix"], state["sources"] = self.mix.digest(), self.mix.describe()
+            state["mix"], state["sources"], state["mix_spec"] = self.mix.digest(), self.mix.describe(), self.mix.spec()
         if self.counts is not None:
             state["samples"], state["counts"] = sum(self.counts), counts_digest(self.counts)
             # An epoch under way that was re-split on resume: a later resume (same layout or not)
@@ -324,7 +324,7 @@ def counted_shards(shards: Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
 def same_mix(state: dict, mix: Mix | None, where: str) -> None:
     """Refuse, in one line naming the difference, a loader state of other sources (or none)."""
     saved = state.get("mix")
-    if saved == (mix.digest() if mix is not None else None):
+    if saved == (mix.digest() if mix is not None else None) or (mix is not None and saved == mix.previous):
         return
     if mix is None:
         raise UserError(f"{where} was saved reading several data sets ({state.get('sources')}): give the same sources")
@@ -349,6 +349,8 @@ def mix_config(cfg: LoaderConfig) -> LoaderConfig:
         raise UserError("data.sources: loader.mode=resampled draws shards at random; use epoch or repeat")
     if cfg.split == Split.shards:
         raise UserError("data.sources needs loader.split=samples (each source's samples counted exactly)")
+    if cfg.mix == "stratified" and cfg.cross_shuffle:
+        raise UserError("loader.mix=stratified makes each batch in its worker: use loader.cross_shuffle=0")
     if cfg.shard_order == ShardOrder.node:
         raise UserError("data.sources: loader.shard_order=node is not supported with several data sets; use global")
     return replace(cfg, split=Split.samples)

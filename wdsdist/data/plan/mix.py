@@ -56,15 +56,33 @@ class MixSource:
 
 @dataclass(frozen=True)
 class Mix:
-    """The sources of a mixed epoch and, with weights, the mixed epoch's size."""
+    """The sources of a mixed epoch and, with weights, the mixed epoch's size. ``origin`` and
+    ``offsets``: the epoch from which these settings hold and where each source's stream stood
+    then (a change of weights at an epoch boundary, ``carry_over``); ``previous``: the digest of
+    the mix it continues."""
 
     sources: tuple[MixSource, ...]
     epoch_samples: int | None = None
+    origin: int = 0
+    offsets: tuple[int, ...] | None = None
+    previous: str | None = None
 
     def digest(self) -> str:
         """What a checkpoint of this mix must match to resume it: names, settings, shards' counts."""
-        text = json.dumps([[s.name, s.setting, list(s.counts)] for s in self.sources] + [self.epoch_samples])
+        text = json.dumps(
+            [[s.name, s.setting, list(s.counts)] for s in self.sources]
+            + [self.epoch_samples, self.origin, list(self.offsets or ())]
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def spec(self) -> dict:
+        """Everything ``carry_over`` needs of this mix in a checkpoint (its windows, without shards)."""
+        return {
+            "sources": [[s.name, s.weight, s.repeat, s.samples, s.size] for s in self.sources],
+            "epoch_samples": self.epoch_samples,
+            "origin": self.origin,
+            "offsets": list(self.offsets) if self.offsets is not None else None,
+        }
 
     def describe(self) -> list[list]:
         """Names, settings and sizes, for a checkpoint: what a refusal names when they change."""
@@ -116,10 +134,11 @@ def windows(mix: Mix, epoch: int) -> tuple[tuple[int, int], ...]:
     """(first, length) of each source's window in its stream for ``epoch``: [floor(e x R), floor((e+1) x R)),
     so consecutive epochs tile the stream and no sample comes twice before all came once."""
     out = []
-    for s in mix.sources:
+    since = epoch - mix.origin
+    for i, s in enumerate(mix.sources):
         rate = per_epoch(s, mix)
-        first = (epoch * rate).__floor__()
-        out.append((first, ((epoch + 1) * rate).__floor__() - first))
+        first = (since * rate).__floor__()
+        out.append(((mix.offsets[i] if mix.offsets else 0) + first, ((since + 1) * rate).__floor__() - first))
     return tuple(out)
 
 
@@ -247,3 +266,49 @@ def coverage(mix: Mix, epoch: int, padded: int, batch_size: int) -> list[dict]:
         {"name": s.name, "setting": s.setting, "samples": n, "passes": n / s.size, "padding": p}
         for s, (_, n), p in zip(mix.sources, windows(mix, epoch), pad, strict=True)
     ]
+
+
+def from_spec(spec: dict) -> Mix:
+    """A mix's windows from its ``Mix.spec`` (sources of one shard each: their sizes only)."""
+    sources = tuple(MixSource(n, (0,), (size,), w, r, s) for n, w, r, s, size in spec["sources"])
+    offsets = tuple(spec["offsets"]) if spec.get("offsets") is not None else None
+    return Mix(sources, spec.get("epoch_samples"), int(spec.get("origin", 0)), offsets)
+
+
+def carry_over(
+    saved: dict, digest: str | None, mix: Mix, epoch: int, boundary: bool, where: str
+) -> tuple[Mix, str | None]:
+    """The mix a resume reads with: ``mix`` (the config's) continuing the checkpoint's (``saved``,
+    its Mix.spec, and ``digest``, its Mix.digest) from ``epoch``; and a line saying what changed,
+    or None. The same settings keep the checkpoint's origin. Other weights (or data.epoch_samples) at an epoch boundary
+    (``boundary``) are a curriculum: from ``epoch`` on the new shares hold, each source's stream
+    going on from where the old windows left it, so its coverage carries over. Anything else
+    is refused in one line naming the difference."""
+    old = from_spec(saved)
+    shape = [[s.name, s.size, s.weight is None, s.repeat, s.samples] for s in old.sources]
+    if shape != [[s.name, s.size, s.weight is None, s.repeat, s.samples] for s in mix.sources]:
+        before = {s.name: [s.setting, s.size] for s in old.sources}
+        now = {s.name: [s.setting, s.size] for s in mix.sources}
+        changed = [f"{n}: {before.get(n, 'absent')} then, {now.get(n, 'absent')} now" for n in {**before, **now}]
+        changed = [c for c, n in zip(changed, {**before, **now}, strict=True) if before.get(n) != now.get(n)]
+        raise UserError(
+            f"{where} was saved with other data.sources ({'; '.join(changed) or 'their order'}): give the same "
+            f"sources (only weights may change, at an epoch's end)"
+        )
+    weights = [s.weight for s in old.sources], [s.weight for s in mix.sources]
+    kept = Mix(mix.sources, mix.epoch_samples, old.origin, old.offsets)
+    if weights[0] == weights[1] and old.epoch_samples == mix.epoch_samples:
+        return kept, None
+    if not boundary:
+        raise UserError(
+            f"{where} was saved in the middle of epoch {epoch} with other weights: change data.sources' weights "
+            f"only when resuming from a checkpoint at an epoch's end"
+        )
+    offsets = tuple(first for first, _ in windows(old, epoch))
+    moved = Mix(mix.sources, mix.epoch_samples, epoch, offsets, previous=digest)
+    changes = ", ".join(
+        f"{s.name} {a:g} -> {b:g}" for s, a, b in zip(mix.sources, *weights, strict=True) if a is not None and a != b
+    )
+    if old.epoch_samples != mix.epoch_samples:
+        changes += f"{', ' if changes else ''}epoch_samples {old.epoch_samples} -> {mix.epoch_samples}"
+    return moved, f"data.sources: new weights from epoch {epoch} (a curriculum): {changes}"
