@@ -122,7 +122,9 @@ def test_two_epochs_on_two_ranks_of_two_workers_deliver_each_source_as_promised(
     for name in SHARDS:  # no sample twice before every sample once, over the epochs
         mine = per_source(read, name)
         counts = [mine[k] for k in keys_of(name)]
-        assert sum(counts) == sum(n for e in range(2) for (_, n), s in zip(windows(mix, e), SHARDS) if s == name)
+        assert sum(counts) == sum(
+            n for e in range(2) for (_, n), s in zip(windows(mix, e), SHARDS, strict=True) if s == name
+        )
         assert max(counts) - min(counts) <= 1, (name, counts)
     if setting != "weights":  # half a pass per epoch: once in two; one: twice; three: six times
         assert {n: set(per_source(read, n).values()) for n in SHARDS} == {"big": {1}, "small": {2}, "tiny": {6}}
