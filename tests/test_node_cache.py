@@ -373,3 +373,14 @@ def test_a_part_left_by_a_dead_process_is_cleared_when_the_next_process_starts(t
     stale.write_bytes(b"x" * 1000)
     cache.NodeCache(str(folder), 10_000)
     assert not stale.exists()
+
+
+def test_local_shards_are_read_where_they_are_even_with_a_cache_folder(tmp_path):
+    """The cache is for remote shards only: a local file is never copied into it, and the batches
+    are those of a loader without it (the cache costs local shards nothing)."""
+    index = write_tiny_shards(tmp_path / "local", [6, 5, 7], "local")
+    folder = tmp_path / "cache"
+    plain = Loader(str(index), cfg(mode="epoch"))
+    cached = Loader(str(index), cfg(mode="epoch", cache_dir=str(folder)))
+    assert [b["key"] for b in cached] == [b["key"] for b in plain]
+    assert not [p for p in folder.rglob("*") if p.is_file() and p.name != "cache.lock"]
