@@ -61,11 +61,25 @@ class SyntheticConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One data set of several (data.sources, data.val_sources): the loader's ``Source``. At most
+    one of weight, repeat, samples (none: repeat=1); the loader checks them and names the source.
+    In data.val_sources only name and shards count: each is evaluated whole."""
+
+    name: str = MISSING
+    shards: str = MISSING  # a shard spec, as data.train_shards
+    weight: float | None = None  # a share of data.epoch_samples, beside the other weights
+    repeat: float | None = None  # passes per epoch: 0.5 reads half of it (the other half next epoch), 3 thrice
+    samples: int | None = None  # samples per epoch
+
+
+@dataclass
 class DataConfig(SampleOptions):
     """The loader's SampleOptions (their fields and defaults live there), plus the data set."""
 
     name: str = "custom"
-    train_shards: str = MISSING  # brace pattern, glob, URLs or index JSON (see docs/data.md: Shard specs)
+    # brace pattern, glob, URLs or index JSON (see docs/data.md: Shard specs); null with data.sources
+    train_shards: str | None = MISSING
     # MISSING, not None: a group's `???` merged onto a default of None would leave None, and a preset
     # that needs held-out shards would silently run without evaluation. null: no evaluation.
     val_shards: str | None = MISSING
@@ -73,6 +87,10 @@ class DataConfig(SampleOptions):
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
+    # Several data sets in one epoch, instead of train_shards (docs/several-datasets.md); with weights,
+    # data.epoch_samples is the mixed epoch's size and loader.mix how a batch mixes them
+    sources: list[SourceConfig] | None = None
+    val_sources: list[SourceConfig] | None = None  # each evaluated on its own (beside val_shards, if given)
 
 
 @dataclass
@@ -138,6 +156,7 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             value = OmegaConf.select(cfg, key)
             raise UserError(f"{key}={value}: {rule}")
 
+    check_sources(cfg)
     check_missing(cfg)
     check_own_shards(cfg, overrides)
 
@@ -168,6 +187,32 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
 
 
 SHARD_KEYS = ("data.train_shards", "data.val_shards")
+
+
+def check_sources(cfg: DictConfig) -> None:
+    """data.sources stands in for data.train_shards (and data.val_sources may for data.val_shards):
+    a key the data group leaves to the user (``???``) becomes null beside them, and train_shards
+    given as well is refused, since which of the two trains would be a guess."""
+    d = cfg.data
+    if d.sources is not None:
+        if OmegaConf.is_missing(d, "train_shards"):
+            d.train_shards = None
+        elif d.train_shards is not None:
+            hint = " (the data group sets it: add data.train_shards=null)" if d.synthetic is not None else ""
+            raise UserError(
+                f"data.train_shards={d.train_shards} and data.sources are both given: train on one of them{hint}"
+            )
+        if not d.sources:
+            raise UserError("data.sources is empty: give at least one source, or data.sources=null")
+    elif not OmegaConf.is_missing(d, "train_shards") and d.train_shards is None:
+        raise UserError("data.train_shards=None: give a shard spec, or data.sources (several data sets)")
+    if d.val_sources is not None and OmegaConf.is_missing(d, "val_shards"):
+        d.val_shards = None
+    # data.sources' names are the loader's to check; these name TensorBoard's tags, one per source
+    names = [s.name for s in d.val_sources or ()]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise UserError(f"data.val_sources: two sources are named {twice!r}")
 
 
 def check_missing(cfg: DictConfig) -> None:

@@ -114,24 +114,25 @@ class Evaluator:
         cfg: DictConfig,
         dist: Dist,
         model: nn.Module,
-        loader: Any,  # None: no data.val_shards, nothing to evaluate
+        loaders: dict[str | None, Any],  # None: data.val_shards'; a name: that of data.val_sources; empty: none
         on_device: OnDevice,
         steps: int,
         report: Reporter,
         watchdog: Watchdog,
     ):
-        self.dist, self.model, self.loader, self.on_device = dist, model, loader, on_device
+        self.dist, self.model, self.loaders, self.on_device = dist, model, loaders, on_device
         self.report, self.watchdog = report, watchdog
         self.every, self.steps, self.num_classes = cfg.trainer.eval_every, steps, cfg.data.num_classes
-        self.result: dict | None = None  # the last evaluation's
+        self.result: dict | None = None  # the last evaluation's of data.val_shards
+        self.sources: dict[str, dict] = {}  # the last evaluation's of each of data.val_sources
 
     def maybe_eval(self, step: int, last: bool = False) -> None:
-        if self.loader is None:
+        if not self.loaders:
             return
         if last or (self.every and step % self.every == 0 and step < self.steps):
-            self.result = self.run(step)
+            self.run(step)
 
-    def run(self, step: int) -> dict:
+    def run(self, step: int) -> None:
         if self.dist.world > 1:
             share_buffers(self.model)
         t0 = time.perf_counter()
@@ -139,10 +140,23 @@ class Evaluator:
         def beat(phase: str) -> None:
             self.watchdog.beat(step, phase)
 
-        result = evaluate(self.model, self.loader, self.dist, self.on_device, self.num_classes, beat=beat)
-        self.report.scalars(step, {"val/top1": result["top1"], "val/loss": result["loss"]})
+        results = {
+            name: evaluate(self.model, loader, self.dist, self.on_device, self.num_classes, beat=beat)
+            for name, loader in self.loaders.items()
+        }
+        self.result = results.pop(None, None)
+        self.sources = results
+        scalars, parts = {}, []
+        if self.result is not None:
+            scalars |= {"val/top1": self.result["top1"], "val/loss": self.result["loss"]}
+            parts.append(f"val top-1 {100 * self.result['top1']:.2f}% loss {self.result['loss']:.4f}")
+        for name, r in results.items():
+            scalars |= {f"val/top1/{name}": r["top1"], f"val/loss/{name}": r["loss"]}
+        if results:
+            each = (f"{name} {100 * r['top1']:.2f}% ({r['samples']})" for name, r in results.items())
+            parts.append(f"val top-1 per source: {', '.join(each)}")
+        self.report.scalars(step, scalars)
+        samples = sum(r["samples"] for r in (self.result, *results.values()) if r is not None)
         self.report.line(
-            f"eval at step {step}: val top-1 {100 * result['top1']:.2f}% loss {result['loss']:.4f} "
-            f"({result['samples']} samples, {time.perf_counter() - t0:.1f}s)"
+            f"eval at step {step}: {'; '.join(parts)} ({samples} samples, {time.perf_counter() - t0:.1f}s)"
         )
-        return result

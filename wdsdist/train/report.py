@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -128,16 +128,24 @@ class Totals:
     bad_reads: int = 0  # failed shard reads (a bad shard fails on every pass over it)
     failed_shards: set[str] = field(default_factory=set)  # distinct shards that failed
     cache: list[int] = field(default_factory=lambda: [0] * len(CACHE_COUNTS))  # the node caches' counts
+    sources: list[int] = field(default_factory=list)  # samples trained of each source (data.sources)
 
 
 class Window:
     """This rank's training metrics since the last log line, summed on the device to avoid a sync
     per step. ``reduce()`` sums them over the ranks in one all-reduce, adds them to ``totals``,
-    returns the values to log and starts the next window."""
+    returns the values to log and starts the next window.
 
-    def __init__(self, dist: Dist):
+    With several data sets (``sources``: their names) it also counts each source's samples, from
+    the batches' ``source``: per window, summed over the ranks in the same all-reduce, and per
+    epoch, summed at its end (``end_epoch``)."""
+
+    def __init__(self, dist: Dist, sources: Sequence[str] = ()):
         self.dist = dist
-        self.totals = Totals()
+        self.names = list(sources)
+        self.totals = Totals(sources=[0] * len(self.names))
+        self.epoch_counts = torch.zeros(len(self.names), dtype=torch.int64)  # this rank's, this epoch
+        self.epoch: int | None = None  # the epoch those counts are of (its first batch's)
         self._clear()
 
     def _clear(self) -> None:
@@ -146,6 +154,7 @@ class Window:
         self.bad = torch.zeros(2, dtype=torch.int64)  # samples and shard reads the loader skipped
         self.failed_shards: set[str] = set()  # their URLs (a bad shard counts once, not per read)
         self.cache = torch.zeros(len(CACHE_COUNTS), dtype=torch.int64)  # what the node cache did
+        self.sources = torch.zeros(len(self.names), dtype=torch.int64)  # samples of each source
         self.samples = 0
         self.wait = 0.0  # seconds spent waiting for the loader
         self.paused = 0.0  # seconds of evaluation and checkpoints, not training
@@ -158,6 +167,25 @@ class Window:
         if "cache" in batch:
             self.cache += batch["cache"]
         self.failed_shards.update(batch.get("bad_shards", ()))
+        if self.names:
+            counts = torch.bincount(batch["source"], minlength=len(self.names))  # on the host, as the loader gives it
+            self.sources += counts
+            self.epoch_counts += counts
+            if self.epoch is None:
+                self.epoch = int(batch["id"][0, 0])
+
+    def end_epoch(self) -> tuple[int, list[int]] | None:
+        """Collective (epoch mode, every rank at the same step): the epoch whose batches were
+        counted since the last call and all ranks' samples of each source in it; None without
+        several data sets or before any batch."""
+        if not self.names:
+            return None
+        counts = self.epoch_counts.to(self.dist.device, copy=True)
+        distributed.all_reduce_sum(counts)
+        epoch = self.epoch
+        self.epoch_counts.zero_()
+        self.epoch = None
+        return (epoch, counts.tolist()) if epoch is not None else None
 
     def add_step(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, wait: float) -> None:
         self.loss += loss.detach().double() * len(labels)
@@ -179,11 +207,13 @@ class Window:
         device, world, totals = self.dist.device, self.dist.world, self.totals
         elapsed = time.perf_counter() - self.start - self.paused
         stats = torch.stack([self.loss, self.correct, torch.tensor(self.samples, dtype=torch.float64, device=device)])
-        extra = [self.wait, elapsed, *self.bad.tolist(), *self.cache.tolist()]
+        extra = [self.wait, elapsed, *self.bad.tolist(), *self.cache.tolist(), *self.sources.tolist()]
         stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float64, device=device)])
         distributed.all_reduce_sum(stats)
-        loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads, *cache = stats.tolist()
+        loss_sum, correct, samples, wait_sum, elapsed_sum, bad_samples, bad_reads, *rest = stats.tolist()
+        cache, sources = rest[: len(CACHE_COUNTS)], [int(n) for n in rest[len(CACHE_COUNTS) :]]
         totals.cache = [total + int(n) for total, n in zip(totals.cache, cache, strict=True)]
+        totals.sources = [total + n for total, n in zip(totals.sources, sources, strict=True)]
         totals.bad_samples += int(bad_samples)
         totals.bad_reads += int(bad_reads)
         if bad_reads:  # a shard failed on some rank: the one case worth gathering names for
@@ -210,6 +240,8 @@ class Window:
                 if any(totals.cache)
                 else {}
             ),
+            # Several data sets: all ranks' samples of each source in this window (since the last log line).
+            **{f"data/source/{name}": n for name, n in zip(self.names, sources, strict=True)},
         }
 
 
@@ -231,6 +263,16 @@ def plan_line(plan: Plan) -> str:
         f"workers, split=samples: {plan.ranks[0].available} batches of {plan.batch_size} per rank per epoch "
         f"({delivered} samples), {rest}" + (f"; cut to {plan.nbatches}" if plan.nbatches is not None else "")
     )
+
+
+def epoch_line(epoch: int, step: int, sources: Sequence[tuple[str, str]], counts: Sequence[int], note: str = "") -> str:
+    """An epoch's samples of each source (all ranks, the padding included), its share of them, and
+    the setting that asked for it: ``sources`` are (name, setting) pairs."""
+    total = sum(counts) or 1
+    parts = [
+        f"{name} {n} ({100 * n / total:.1f}%, {setting})" for (name, setting), n in zip(sources, counts, strict=True)
+    ]
+    return f"epoch {epoch} ended at step {step}{note}: samples per source {', '.join(parts)}"
 
 
 def done_line(summary: dict) -> str:

@@ -20,7 +20,7 @@ from wdsdist.train.distributed import Dist
 from wdsdist.train.evaluate import Evaluator, OnDevice
 from wdsdist.train.feed import Feed
 from wdsdist.train.model import lr_at
-from wdsdist.train.report import Reporter, Window, fmt_time, plan_line
+from wdsdist.train.report import Reporter, Window, epoch_line, fmt_time, plan_line
 
 
 @dataclass
@@ -47,6 +47,10 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     generation: Generation  # which start of the job in its run directory
+    # Several data sets: each source's name and setting (the loader's mix), in the order of batch["source"]
+    sources: tuple[tuple[str, str], ...] = ()
+    # The run resumed in the middle of an epoch: that epoch's counts are of the part after the resume
+    resumed_mid_epoch: bool = False
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.base_lr, self.steps, self.cfg.optim.warmup)
@@ -75,9 +79,16 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
     )
     if run.on_device.amp_note:
         report.line(run.on_device.amp_note)
-    note = outage_note(cfg.trainer.timeout_s, cfg.data.http_timeout, cfg.data.http_retry_s, str(cfg.data.train_shards))
+    specs = [s.shards for s in cfg.data.sources] if cfg.data.sources is not None else [cfg.data.train_shards]
+    note = outage_note(cfg.trainer.timeout_s, cfg.data.http_timeout, cfg.data.http_retry_s, " ".join(map(str, specs)))
     if note:
         report.line(note)
+    if run.sources:
+        report.line(
+            f"data.sources: {', '.join(f'{name} ({setting})' for name, setting in run.sources)}, "
+            f"loader.mix={cfg.loader.mix}",
+            console=False,
+        )
     if cfg.trainer.resume == "auto" and run.resume_path is None:
         report.line(f"trainer.resume=auto: no checkpoint in {run.run_dir} yet, starting at step 0")
     resize = run.feed.loader.resize
@@ -112,6 +123,22 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
 
 
+def report_epoch(run: Run, step: int, whole: bool = True) -> None:
+    """Collective (epoch mode, every rank at the same step): the epoch just ended (or, ``whole``
+    False, the one under way when the run ends), samples per source in TensorBoard and a line."""
+    ended = run.window.end_epoch()
+    if ended is None:
+        return
+    epoch, counts = ended
+    note = "" if whole else " (the run ends within it)"
+    if run.resumed_mid_epoch:
+        note += f" (counted from the resume at step {run.start})"
+        run.resumed_mid_epoch = False
+    names = [name for name, _ in run.sources]
+    run.report.scalars(step, {f"data/epoch_source/{name}": n for name, n in zip(names, counts, strict=True)})
+    run.report.line(epoch_line(epoch, step, run.sources, counts, note))
+
+
 def outage_note(timeout_s: float, http_timeout: float, http_retry_s: float, shards: str) -> str | None:
     """A note when remote shards' reads may ride out a store outage longer than the watchdog
     waits for a silent rank: it would give up on that rank first."""
@@ -144,6 +171,10 @@ def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
         "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
         # All ranks' node caches (loader.cache_dir): hits, misses, bytes from the store, ...; None without one.
         "cache": dict(zip(CACHE_COUNTS, totals.cache, strict=True)) if any(totals.cache) else None,
+        # Several data sets: all ranks' samples trained of each source in this run; None with one.
+        "source_samples": dict(zip(run.window.names, totals.sources, strict=True)) if run.sources else None,
+        # data.val_sources: the last evaluation of each (top1, loss, samples, class_samples).
+        "val_sources": run.evaluator.sources or None,
         "rank_steps": [s for s, _ in fingerprints],
         "rank_params": [f for _, f in fingerprints],
         "checkpoint": run.checkpointer.path,

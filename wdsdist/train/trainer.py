@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, expand_shards
+from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, Source, expand_shards
 from wdsdist.errors import UserError
 from wdsdist.tools.outfolder import make_output_folder
 from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_is_current
@@ -36,13 +36,13 @@ from wdsdist.train.checkpoint import (
     same_job,
     write_text,
 )
-from wdsdist.train.config import check
+from wdsdist.train.config import LoaderMode, check
 from wdsdist.train.distributed import Dist, on_all_ranks
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed
 from wdsdist.train.model import build_optimizer, seeded_model, wrap_ddp
 from wdsdist.train.report import Reporter, Window, done_line
-from wdsdist.train.run import Run, hparams_of, report_start, summarize
+from wdsdist.train.run import Run, hparams_of, report_epoch, report_start, summarize
 
 # ---------------------------------------------------------------- data
 
@@ -52,24 +52,35 @@ def ensure_synthetic(cfg: DictConfig) -> None:
     s = cfg.data.synthetic
     if s is None:
         return
-    jobs = [("data.train_shards", cfg.data.train_shards, "train", s.train_samples)]
-    if cfg.data.val_shards:
-        jobs.append(("data.val_shards", cfg.data.val_shards, "val", s.val_samples))
-    for key, index, split, n in jobs:
+    d = cfg.data
+    jobs = [("data.train_shards", d.train_shards, "train", s.train_samples, s.seed)] if d.train_shards else []
+    if d.val_shards:
+        jobs.append(("data.val_shards", d.val_shards, "val", s.val_samples, s.seed))
+    # Each source its own set (a seed of its own, so sources differ), the same size as the train
+    # or val set: their settings (repeat, samples, weight) make the mix, not their sizes.
+    for section, split, n in (("sources", "train", s.train_samples), ("val_sources", "val", s.val_samples)):
+        for i, source in enumerate(d[section] or ()):
+            jobs.append((source_key(section, source.name), source.shards, split, n, s.seed + 1 + i))
+    for key, index, split, n, seed in jobs:
         check_local_output(index, f"{key}={index}")
         if not index.endswith(".index.json"):
             raise UserError(
                 f"{key}={index}: with data.synthetic set it must name the index to write (DIR/PREFIX.index.json); "
                 f"for shards of your own use data=shards data.num_classes=N"
             )
-        if synthetic_is_current(index, key, {"seed": s.seed, "split": split, "size": s.size}, n):
+        if synthetic_is_current(index, key, {"seed": seed, "split": split, "size": s.size}, n):
             continue
         outdir, prefix = os.path.dirname(index) or ".", os.path.basename(index)[: -len(".index.json")]
         make_output_folder(outdir, key)
         print(f"writing {n} synthetic {split} images ({s.size}x{s.size}) to {outdir}/ (once)", flush=True)
         from_synthetic(
-            n, outdir, prefix, maxcount=s.shard_samples, maxsize=1 << 30, seed=s.seed, split=split, size=s.size
+            n, outdir, prefix, maxcount=s.shard_samples, maxsize=1 << 30, seed=seed, split=split, size=s.size
         )
+
+
+def source_key(section: str, name: str) -> str:
+    """How an error names a source's shards: its list and its name."""
+    return f"data.{section}[{name}].shards"
 
 
 def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
@@ -131,24 +142,39 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str], Genera
     return run_dir, stale, distributed.broadcast_object(generation)
 
 
-def build_loaders(cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None) -> tuple[Loader, Any]:
-    """This rank's train loader (at its saved position when resuming) and eval loader (or None).
+def build_loaders(
+    cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None
+) -> tuple[Loader, dict[str | None, EvalLoader]]:
+    """This rank's train loader (at its saved position when resuming) and eval loaders: None's
+    for data.val_shards, each of data.val_sources' by its name (none: nothing to evaluate).
     Every rank builds, and so checks, its own: a layout that would hang stops here."""
     loader_cfg = loader_config(cfg, dist, cfg.seed)
-    train_shards = on_all_ranks(lambda: shards_of("data.train_shards", cfg.data.train_shards, loader_cfg))
+    d = cfg.data
+    if d.sources is not None:
+        # The loader expands each source's spec and names the source in its errors.
+        train_shards: Any = [Source(s.name, s.shards, s.weight, s.repeat, s.samples) for s in d.sources]
+    else:
+        train_shards = on_all_ranks(lambda: shards_of("data.train_shards", d.train_shards, loader_cfg))
 
     def train_loader() -> Loader:
         loader = Loader(train_shards, loader_cfg, rank=dist.rank, world=dist.world, group=distributed.control_group())
         if ckpt is not None:
             loader.load_state_dict(loader_state_of(ckpt), where=str(resume_path))
+            # The position checked against this config now, at start-up, not at the first batch:
+            # other data.sources than the checkpoint's are refused here in one line.
+            loader.batches_done  # noqa: B018
         return loader
 
     loader = on_all_ranks(lambda: in_config_terms(train_loader))
-    eval_loader = None
-    if cfg.data.val_shards:
-        val_shards = on_all_ranks(lambda: shards_of("data.val_shards", cfg.data.val_shards, loader_cfg))
-        eval_loader = on_all_ranks(lambda: EvalLoader(val_shards, loader_cfg, rank=dist.rank, world=dist.world))
-    return loader, eval_loader
+    evals: list[tuple[str | None, str, str]] = [(None, "data.val_shards", d.val_shards)] if d.val_shards else []
+    evals += [(s.name, source_key("val_sources", s.name), s.shards) for s in d.val_sources or ()]
+    eval_loaders = {}
+    for name, key, spec in evals:
+        shards = on_all_ranks(lambda key=key, spec=spec: shards_of(key, spec, loader_cfg))
+        eval_loaders[name] = on_all_ranks(
+            lambda shards=shards: EvalLoader(shards, loader_cfg, rank=dist.rank, world=dist.world)
+        )
+    return loader, eval_loaders
 
 
 def loader_state_of(ckpt: dict) -> dict | list:
@@ -181,7 +207,10 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     base_lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, base_lr)
     resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir, generation.restarted)
-    train_loader, eval_loader = build_loaders(cfg, dist, ckpt, resume_path)
+    train_loader, eval_loaders = build_loaders(cfg, dist, ckpt, resume_path)
+    mix = train_loader.mix
+    sources = tuple((s.name, s.setting) for s in mix.sources) if mix is not None else ()
+    resumed_mid_epoch = ckpt is not None and cfg.loader.mode == LoaderMode.epoch and train_loader.batches_done > 0
     start = 0
     if ckpt is not None:
         start = on_all_ranks(lambda: restore(ckpt, resume_path, dist, cfg, model, opt))
@@ -207,10 +236,12 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
         on_device=on_device,
         report=report,
         feed=Feed(cfg, dist, train_loader, stop, report),
-        window=Window(dist),
-        evaluator=Evaluator(cfg, dist, model, eval_loader, on_device, steps, report, watchdog),
+        window=Window(dist, [name for name, _ in sources]),
+        evaluator=Evaluator(cfg, dist, model, eval_loaders, on_device, steps, report, watchdog),
         checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation),
         generation=generation,
+        sources=sources,
+        resumed_mid_epoch=resumed_mid_epoch,
     )
     report_start(run, resume_warnings, stale)
     return run
@@ -251,6 +282,7 @@ def train_loop(run: Run) -> int:
         watchdog.beat(step, "step")
         stop_all, ran_out = feed.agree(batch)
         if ran_out:
+            report_epoch(run, step)
             feed.end_epoch_together(step, batch)
             if stop_all:
                 break
@@ -271,6 +303,8 @@ def train_loop(run: Run) -> int:
         if stop_all:
             break
     feed.close()
+    if run.cfg.loader.mode == LoaderMode.epoch:
+        report_epoch(run, step, whole=feed.loader.batches_done == 0)
     if stop_all and step < run.steps:
         stopped(run, step)
     run.evaluator.maybe_eval(step, last=True)
