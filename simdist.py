@@ -14,6 +14,8 @@ simdist.py --shards data/shards/imagenet-train.index.json --size 16 --nworkers 8
 simdist.py --plan --nshards 100000 --samples-per-shard 1000+-50 --size 1024 --nworkers 8 --batch-size 64
 simdist.py --plan --split samples --nshards 1281 --size 256 --node-ranks 8 --nepochs 3 \
     --shard-bytes 100MB --cache-size 200GB --shard-order node   # what the store sends each node, per epoch
+simdist.py --plan --mix imagenet:1281167/1281 photos:128000/128:weight=0.2 --epoch-samples 1500000 \
+    --size 256 --nworkers 8 --batch-size 256 --nepochs 3      # several data sets: per source and rank
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument(
         "--samples-per-shard", metavar="N[+-D]", help="samples per shard, or N+-D drawn uniformly (default: 100)"
     )
+    data.add_argument(
+        "--mix",
+        nargs="+",
+        type=simdist.mix_argument,
+        metavar="NAME:DATA[:SETTING]",
+        help="several data sets in one epoch (the loader's Source list): DATA is SAMPLES[/SHARDS] or a shard "
+        "spec, SETTING repeat=R, weight=W or samples=N (none: repeat=1); e.g. photos:128000/128:weight=0.2",
+    )
+    data.add_argument(
+        "--epoch-samples", type=integer(1), metavar="N", help="--mix: the mixed epoch's size, which weights share"
+    )
+    data.add_argument(
+        "--mix-batches",
+        choices=("sample", "stratified"),
+        default="sample",
+        help="--mix: loader.mix, how a batch mixes the sources (default: %(default)s)",
+    )
     data.add_argument("--seed", type=int, default=0, help="seed of the spread and of the loader's shuffles")
     data.add_argument("--cache", default="data/simdist", help="where real mode writes synthetic shards (%(default)s)")
     data.add_argument("--allow-pipe", action="store_true", help="open pipe: shards (they run a shell command)")
@@ -67,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     job.add_argument(
         "--split",
         choices=("shards", "samples"),
-        default="shards",
-        help="whole shards per rank and worker, or equal spans of the epoch's samples (default: %(default)s)",
+        help="whole shards per rank and worker, or equal spans of the epoch's samples (default: shards; "
+        "samples with --mix)",
     )
     job.add_argument(
         "--remainder",
@@ -126,6 +145,10 @@ def layout(args: argparse.Namespace) -> simdist.Layout:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mix:
+        return mix_main(args)
+    if args.epoch_samples is not None or args.mix_batches != "sample":
+        raise UserError("--epoch-samples and --mix-batches describe several data sets: give --mix too")
     settings = simdist.Settings(
         size=args.size,
         nworkers=args.nworkers,
@@ -137,7 +160,7 @@ def main(argv=None) -> int:
         nepochs=args.nepochs,
         cross_shuffle=args.cross_shuffle,
         seed=args.seed,
-        split=args.split,
+        split=args.split or "shards",
         remainder=args.remainder,
         shard_order=args.shard_order,
         node_ranks=args.node_ranks,
@@ -172,6 +195,63 @@ def main(argv=None) -> int:
         resize=resize,
         egress=egress,
     )
+
+
+def mix_main(args: argparse.Namespace) -> int:
+    """--mix: per epoch, source and rank, what the sources' windows give (simdist/mix.py)."""
+    given = {
+        "--shards": args.shards,
+        "--nshards": args.nshards,
+        "--samples-per-shard": args.samples_per_shard,
+        "--nbatches": args.nbatches,
+        "--dsrepeat": args.dsrepeat != 1,
+        "--repeat": args.repeat != 1,
+        "--partial": args.partial,
+        "--resize-at": args.resize_at is not None,
+        "--shard-bytes": args.shard_bytes is not None,
+        "--showsplits": args.showsplits,
+        "--plot": args.plot,
+    }
+    other = [name for name, value in given.items() if value]
+    if other:
+        raise UserError(f"--mix takes its data and epochs from its sources; it does not combine with {other[0]}")
+    if args.split == "shards" or args.shard_order != "global":
+        # The loader's own refusal, in its words (it imports torch: only when there is one to make).
+        from wdsdist.data.delivery.pipeline import mix_config
+        from wdsdist.data.options import LoaderConfig
+
+        mix_config(
+            LoaderConfig(batch_size=args.batch_size, split=args.split or "samples", shard_order=args.shard_order)
+        )
+    settings = simdist.Settings(
+        size=args.size,
+        nworkers=args.nworkers,
+        batch_size=args.batch_size,
+        nepochs=args.nepochs,
+        cross_shuffle=args.cross_shuffle,
+        seed=args.seed,
+        split="samples",
+        remainder=args.remainder,
+    )
+    layouts = simdist.mix_layouts(args.mix, plan=args.plan, cache=args.cache, access=access(args))
+    mix = simdist.mix_of(args.mix, layouts, args.epoch_samples)
+    epochs = [simdist.plan_mix_epoch(mix, settings, epoch) for epoch in range(settings.nepochs)]
+    run = None
+    if not args.plan:
+        run = simdist.run_mix(
+            args.mix,
+            layouts,
+            settings,
+            epoch_samples=args.epoch_samples,
+            mix_batches=args.mix_batches,
+            image_size=simdist.IMAGE_SIZE,
+            access=access(args),
+        )
+    code, lines = simdist.mix_report(
+        mix, layouts, settings, epochs, mix_batches=args.mix_batches, run=run, verbose=args.verbose
+    )
+    print("\n".join(lines))
+    return code
 
 
 if __name__ == "__main__":

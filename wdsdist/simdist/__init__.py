@@ -22,6 +22,7 @@ which prints the whole report. The pieces are its modules, each importing only t
   plot      the picture
   resize    --resize-at: a checkpoint and an elastic resume on another layout, planned or run
   egress    --shard-bytes: what the store sends each node per epoch, with and without a cache
+  mix       --mix: several data sets, per epoch, source and rank, from the loader's mix plan
 Of wdsdist it imports ``wdsdist.data``, ``wdsdist.errors``, and (to write synthetic shards for
 real mode) ``wdsdist.tools.shards`` and ``wdsdist.tools.synthetic``; nothing of ``wdsdist.train``.
 """
@@ -45,6 +46,18 @@ from wdsdist.simdist.layouts import (
     spec_layout,
     synthetic_layout,
     write_synthetic_shards,
+)
+from wdsdist.simdist.mix import (
+    MixArg,
+    MixEpochCounts,
+    MixRun,
+    mix_argument,
+    mix_layouts,
+    mix_of,
+    mix_report,
+    parse_mix_source,
+    plan_mix_epoch,
+    run_mix,
 )
 from wdsdist.simdist.plot import plot
 from wdsdist.simdist.resize import Resize, resize_lines, resize_verdict, simulate_resize, simulate_resize_real
@@ -85,6 +98,9 @@ __all__ = [
     "Coverage",
     "Egress",
     "Layout",
+    "MixArg",
+    "MixEpochCounts",
+    "MixRun",
     "RankEpoch",
     "RealRun",
     "Resize",
@@ -97,10 +113,16 @@ __all__ = [
     "described_counts",
     "described_layout",
     "egress_lines",
+    "mix_argument",
+    "mix_layouts",
+    "mix_of",
+    "mix_report",
     "node_egress",
     "parameter_lines",
+    "parse_mix_source",
     "parse_spread",
     "pass_sizes",
+    "plan_mix_epoch",
     "plot",
     "rank_line",
     "rank_lines",
@@ -109,6 +131,7 @@ __all__ = [
     "report",
     "resize_lines",
     "resize_verdict",
+    "run_mix",
     "sample_balance",
     "shown_ranks",
     "simulate_egress",
