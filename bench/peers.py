@@ -146,7 +146,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     if name == "streaming":
         return _streaming(folder / "data", workers, batch)
     if name == "litdata":
-        return _litdata(folder / "data", workers, batch)
+        return _litdata(str(folder / "data"), workers, batch)
     if name == "dali":
         return _dali(info, folder / "data", workers, batch)
     if name == "ffcv":
@@ -156,7 +156,25 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     raise ValueError(name)
 
 
-def _streaming(local: Path, workers: int, batch: int):
+def remote_loader(name: str, remote: str, cache: str, workers: int, batch: int):
+    """As ``loader_for``, for the peers that read an object store (bench/remote.py): the peer's
+    converted data read from ``remote`` (s3://, the endpoint from the environment) into its own
+    cache in the folder ``cache``."""
+    if name == "streaming":
+        return _streaming(Path(cache), workers, batch, remote)
+    if name == "litdata":
+        from litdata.streaming import downloader
+
+        # LitData gets chunks through obstore, whose client refuses plain http unless allowed,
+        # and LitData allows only what its module-wide client options say (https stores): the
+        # bench's S3 API server speaks plain http, as the shards' store does, so it is allowed
+        # here (the DataLoader's forked workers inherit it).
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+        return _litdata(remote, workers, batch, cache)
+    raise ValueError(name)
+
+
+def _streaming(local: Path, workers: int, batch: int, remote: str | None = None):
     from streaming import StreamingDataLoader, StreamingDataset
 
     class Images(StreamingDataset):
@@ -169,11 +187,12 @@ def _streaming(local: Path, workers: int, batch: int):
             return decode_crop(sample["jpg"], self.transform), sample["cls"]
 
     # Its own shuffle (shuffle_algo's default, py1e); batch_size tells it how batches will be cut.
-    ds = Images(local=str(local), shuffle=True, batch_size=batch)
+    # With a remote, local is its cache: shards are downloaded there whole and kept.
+    ds = Images(remote=remote, local=str(local), shuffle=True, batch_size=batch)
     return StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True, persistent_workers=True)
 
 
-def _litdata(out: Path, workers: int, batch: int):
+def _litdata(input_dir: str, workers: int, batch: int, cache: str | None = None):
     import litdata as ld
 
     transform = torch_transform()
@@ -183,7 +202,8 @@ def _litdata(out: Path, workers: int, batch: int):
             sample = super().__getitem__(i)
             return transform(sample["image"]), sample["cls"]
 
-    ds = Images(str(out), shuffle=True, drop_last=True)
+    # A remote input_dir's chunks are downloaded whole into cache_dir (max_cache_size: its default).
+    ds = Images(input_dir, cache_dir=cache, shuffle=True, drop_last=True)
     return ld.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True)
 
 

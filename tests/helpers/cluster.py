@@ -304,12 +304,13 @@ class Cluster:
     def heal(self, who: str) -> None:
         _ip("link", "set", self.link(who), "up")
 
-    def delay(self, seconds: float, port: int = DELAY_PORT) -> str:
-        """A relay in the store's namespace that adds ``seconds`` each way to the store's HTTP
-        (a far store's latency); the URL to read the shards through it."""
+    def delay(self, seconds: float, port: int = DELAY_PORT, target: int = HTTP_PORT) -> str:
+        """A relay on ``port`` in the store's namespace that adds ``seconds`` each way to what
+        the store serves on ``target`` (its HTTP, or another server there such as an S3 API): a
+        far store's latency. The URL to reach ``target`` through it; one relay per ``port``."""
         me = [sys.executable, "-m", "tests.helpers.cluster"]
-        target = [self.addr("store"), str(HTTP_PORT)]
-        self.spawn("store", "delay", [*me, "delay", self.addr("store"), str(port), *target, str(seconds)])
+        to = [self.addr("store"), str(target)]
+        self.spawn("store", f"delay-{port}", [*me, "delay", self.addr("store"), str(port), *to, str(seconds)])
         self.wait_listening("store", port)
         return f"http://{self.addr('store')}:{port}"
 
