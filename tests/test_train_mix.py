@@ -98,6 +98,8 @@ def test_each_epochs_samples_per_source_are_the_plans_in_the_log_and_tensorboard
         )
         for e in range(2)
     ]
+    (done,) = [line for line in stdout.splitlines() if line.startswith("done: ")]
+    assert "samples per source " + ", ".join(f"{name} {want[0][name] + want[1][name]}" for name in COUNTS) in done
     for name in COUNTS:
         per_epoch = events.Scalars(f"data/epoch_source/{name}")
         assert [(e.step, e.value) for e in per_epoch] == [(3, want[0][name]), (6, want[1][name])]

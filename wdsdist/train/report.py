@@ -265,14 +265,18 @@ def plan_line(plan: Plan) -> str:
     )
 
 
-def epoch_line(epoch: int, step: int, sources: Sequence[tuple[str, str]], counts: Sequence[int], note: str = "") -> str:
+def epoch_line(
+    epoch: int, step: int, sources: Sequence[tuple[str, str]], counts: Sequence[int], ended: bool, note: str = ""
+) -> str:
     """An epoch's samples of each source (all ranks, the padding included), its share of them, and
-    the setting that asked for it: ``sources`` are (name, setting) pairs."""
+    the setting that asked for it: ``sources`` are (name, setting) pairs. ``ended`` False: the
+    run ends within the epoch, at ``step``."""
     total = sum(counts) or 1
     parts = [
         f"{name} {n} ({100 * n / total:.1f}%, {setting})" for (name, setting), n in zip(sources, counts, strict=True)
     ]
-    return f"epoch {epoch} ended at step {step}{note}: samples per source {', '.join(parts)}"
+    head = f"epoch {epoch} ended at step {step}" if ended else f"epoch {epoch} up to step {step}, where the run ends"
+    return f"{head}{note}: samples per source {', '.join(parts)}"
 
 
 def done_line(summary: dict) -> str:
@@ -284,6 +288,9 @@ def done_line(summary: dict) -> str:
     bad = (summary["skipped_samples"], summary["skipped_shards"], summary["skipped_shard_reads"])
     if bad[0] or bad[2]:
         parts.append(f"skipped {skipped_text(*bad, ' and')}")
+    sources = summary.get("source_samples")
+    if sources:
+        parts.append(f"samples per source {', '.join(f'{name} {n}' for name, n in sources.items())}")
     cache = summary.get("cache")
     if cache:
         parts.append(

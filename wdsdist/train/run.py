@@ -130,13 +130,13 @@ def report_epoch(run: Run, step: int, whole: bool = True) -> None:
     if ended is None:
         return
     epoch, counts = ended
-    note = "" if whole else " (the run ends within it)"
+    note = ""
     if run.resumed_mid_epoch:
-        note += f" (counted from the resume at step {run.start})"
+        note = f" (counted from the resume at step {run.start})"
         run.resumed_mid_epoch = False
     names = [name for name, _ in run.sources]
     run.report.scalars(step, {f"data/epoch_source/{name}": n for name, n in zip(names, counts, strict=True)})
-    run.report.line(epoch_line(epoch, step, run.sources, counts, note))
+    run.report.line(epoch_line(epoch, step, run.sources, counts, whole, note))
 
 
 def outage_note(timeout_s: float, http_timeout: float, http_retry_s: float, shards: str) -> str | None:
