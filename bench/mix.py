@@ -189,7 +189,10 @@ def run_one(name: str, info: dict, parts: dict[str, dict], args: argparse.Namesp
     """One epoch of ``args.samples`` samples (whole batches). LitData's weighted epoch ends at its
     first exhausted dataset, shorter than that: its next epochs follow, started as a user's loop
     would, until the samples are in."""
-    start = time.perf_counter()
+    import bench  # noqa: PLC0415  (its CPU time of a process tree: this one and its workers)
+
+    tree = bench.TreeMemory()
+    start, cpu_start = time.perf_counter(), tree.cpu()
     loader = loader_for(name, info, parts, args)
     want = args.samples // args.batch
     n, first, shares, epochs, shape = 0, None, Counter(), 0, None
@@ -200,7 +203,11 @@ def run_one(name: str, info: dict, parts: dict[str, dict], args: argparse.Namesp
             images, source = unpack(batch)
             got_any = True
             if first is None:
-                first, shape = time.perf_counter(), "x".join(map(str, images.shape)) + f" {images.dtype}"
+                first, cpu_first, shape = (
+                    time.perf_counter(),
+                    tree.cpu(),
+                    "x".join(map(str, images.shape)) + f" {images.dtype}",
+                )
             n += 1
             if source is not None:
                 shares.update(source.tolist())
@@ -208,12 +215,16 @@ def run_one(name: str, info: dict, parts: dict[str, dict], args: argparse.Namesp
                 break
         if not got_any:
             raise RuntimeError(f"{name}: an epoch without batches")
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), tree.cpu()
     total = sum(shares.values())
     return {
         "samples_per_s": (n - 1) * args.batch / (end - first),
         "first_batch_s": first - start,
         "with_start_samples_per_s": n * args.batch / (end - start),
+        # CPU time of the process and its workers per sample: what a busy machine's load does not
+        # stretch, as it stretches wall time (bench.TreeMemory.cpu)
+        "cpu_ms_per_sample": (cpu_end - cpu_first) * 1000 / ((n - 1) * args.batch),
+        "cpu_ms_per_sample_with_start": (cpu_end - cpu_start) * 1000 / (n * args.batch),
         "batches": n,
         "epochs": epochs,
         "batch": shape,
@@ -278,25 +289,27 @@ def table(rounds: dict[str, list[dict]], args: argparse.Namespace, info: dict, p
         + f"; one epoch of {args.samples} samples, batch {args.batch}, {args.workers} workers, "
         f"{os.cpu_count()} cores, {platform.machine()}; median of {args.repeat} rounds",
         "",
-        "| contender | samples/s (median, range) | ratio to ours-single | ratio to its own single | first batch | "
-        "per-source shares realised (a/b/c) |",
-        "|---|---|---|---|---|---|",
+        "| contender | samples/s (median, range) | ratio to ours-single | ratio to its own single | "
+        "CPU ms/sample (median) | first batch | per-source shares realised (a/b/c) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rs in rounds.items():
         good = [r for r in rs if "error" not in r]
         if not good:
             err = next((r["error"] for r in rs), "not run")
-            lines.append(f"| {LABELS[name]} | failed: {err} | | | | |")
+            lines.append(f"| {LABELS[name]} | failed: {err} | | | | | |")
             continue
         m = median(good)
         rates = [r["samples_per_s"] for r in good]
+        cpus = sorted(r["cpu_ms_per_sample"] for r in good if "cpu_ms_per_sample" in r)
+        cpu = f"{cpus[(len(cpus) - 1) // 2]:.2f}" if cpus else "-"
         ratio = ratio_of(rs, base)
         own = ratio_of(rs, rounds.get(name.split("-")[0] + "-single", []))
         shares = "/".join(f"{m['shares'].get(n, 0):.3f}" for n in NAMES) if m["shares"] else "-"
         extra = f" ({m['epochs']} epochs)" if m["epochs"] > 1 else ""
         lines.append(
             f"| {LABELS[name]} | {m['samples_per_s']:.0f} ({min(rates):.0f}-{max(rates):.0f}) | {ratio} | {own} | "
-            f"{m['first_batch_s']:.2f} s | {shares}{extra} |"
+            f"{cpu} | {m['first_batch_s']:.2f} s | {shares}{extra} |"
         )
     return "\n".join(lines)
 
