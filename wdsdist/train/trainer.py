@@ -59,7 +59,7 @@ def ensure_synthetic(cfg: DictConfig) -> None:
     # Each source its own set (a seed of its own, so sources differ), the same size as the train
     # or val set: their settings (repeat, samples, weight) make the mix, not their sizes.
     for section, split, n in (("sources", "train", s.train_samples), ("val_sources", "val", s.val_samples)):
-        for i, source in enumerate(d[section] or ()):
+        for i, source in enumerate(d.get(section) or ()):  # a config made before data.sources lacks it
             jobs.append((source_key(section, source.name), source.shards, split, n, s.seed + 1 + i))
     for key, index, split, n, seed in jobs:
         check_local_output(index, f"{key}={index}")
