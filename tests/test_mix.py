@@ -82,6 +82,28 @@ def test_every_batch_of_the_sequence_holds_each_share_rounded_and_every_sample_o
             assert np.floor(share) <= counts[s] <= np.ceil(share), (start, s, counts)
 
 
+@pytest.mark.parametrize(
+    ("counts", "world", "size"), [((100, 37, 9), 2, 8), ((35, 9, 3), 2, 4), ((7, 5), 3, 4), ((1000, 11), 4, 16)]
+)
+def test_every_batch_of_the_padded_sequence_holds_each_share_rounded(counts, world, size):
+    """The batch holding the sequence's last, short stretch is completed to the shares by its
+    padding, and the padding reads each source's first samples again, in order."""
+    mix = Mix(tuple(MixSource(f"s{i}", (i,), (n,)) for i, n in enumerate(counts)))
+    mixed = MixEpoch(mix, 0, 0, size)
+    k = rank_batches(mixed.total, world, size, "pad")
+    padded = world * k * size - mixed.total
+    batches = mixed.slot_sources(np.arange(world * k * size)).reshape(-1, size)
+    for row in batches:
+        got = np.bincount(row, minlength=len(counts))
+        for s, n in enumerate(counts):
+            share = n * size / mixed.total
+            assert np.floor(share) <= got[s] <= np.ceil(share), (row, counts)
+    again = mixed.padding(padded)
+    for s in range(len(counts)):
+        mine = again[mixed.source_of[again] == s]
+        assert mixed.index_of[mine].tolist() == list(range(len(mine)))  # its first samples, in order
+
+
 def test_a_source_given_two_settings_or_a_weight_without_an_epoch_size_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"source 'a': give one of weight, repeat, samples \(got weight, repeat\)"):
         check(Mix((MixSource("a", (0,), (5,), weight=1, repeat=2),)))
@@ -114,7 +136,8 @@ def test_two_epochs_on_two_ranks_of_two_workers_deliver_each_source_as_promised(
         assert lengths == [(k, k)] * world  # equal batches, as len() says
         # every position of the epoch's sequence once, and the padding the plan states, once
         padding = k * world * BS - total
-        assert positions == Counter(range(total)) + Counter(range(total, total + padding))
+        again = MixEpoch(mix, 5, epoch, BS).padding(padding)  # the positions the padding reads again
+        assert positions == Counter(range(total)) + Counter((again + total).tolist())
         for row, (_, n) in zip(coverage(mix, epoch, padding, BS), windows(mix, epoch), strict=True):
             assert sum(per_source(got, row["name"]).values()) == row["samples"] == n
         assert sum(row["padding"] for row in coverage(mix, epoch, padding, BS)) == padding
@@ -147,6 +170,8 @@ def test_stratified_batches_hold_the_sources_of_their_stretch_of_the_sequence_on
         for batch in got:
             for source, share in enumerate(shares):
                 assert np.floor(share * BS) <= batch[source] <= np.ceil(share * BS)
+    # the padded batch too: a layout whose sequence ends in a short stretch (35 of 4s, padded by 5)
+    assert mixed.total % BS and rank_batches(mixed.total, world, BS, "pad") * world * BS > mixed.total
     # the shuffle did move samples across the batches (what stratifying must undo)
     loose = [Counter(b["source"].tolist()) for b in Loader(setting, cfg(workers=2), rank=0, world=world)]
     assert loose != [Counter(b["source"].tolist()) for b in plain[0]]

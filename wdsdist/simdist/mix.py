@@ -179,7 +179,7 @@ def plan_mix_epoch(mix: Mix, settings: Settings, epoch: int) -> MixEpochCounts:
     # Every batch of every rank is a stretch of ``size`` positions (spans start at multiples of it).
     per_batch: list[tuple[int, int]] = []
     if span:
-        of = m.sources(np.arange(world * span)).reshape(-1, size)
+        of = m.slot_sources(np.arange(world * span)).reshape(-1, size)
         for s in range(n):
             c = (of == s).sum(axis=1)
             per_batch.append((int(c.min()), int(c.max())))
@@ -328,7 +328,7 @@ def mix_epoch_lines(
     """One epoch: the sequence and its padding, a row per source, a line per (shown) rank."""
     names = [s.name for s in mix.sources]
     cut = (
-        f"{e.padded} padded (the sequence's first positions again)"
+        f"{e.padded} padded (samples read again: the last short batch made whole, then the sequence's start)"
         if e.padded
         else (f"{e.dropped} dropped (its last positions)" if e.dropped else "nothing padded")
     )

@@ -233,22 +233,21 @@ class ShardStream(IterableDataset):
         if ranges is None:
             batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
             start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
-            runs = [(a, min(b, total), a) for a, b in [(start, stop)] if a < total]
-            runs += [(a - total, b - total, a) for a, b in [(max(start, total), stop)] if a < b]
-            past = total
+            real = np.arange(start, min(stop, total))
+            again = mixed.padding(max(0, stop - total))[max(start, total) - total :]  # the padding's slots
+            spots, tags = np.concatenate((real, again)), np.concatenate((real, again + total))
         else:
             _, runs = resplit_positions(ranges, self.rank, self.world, worker, nworkers, cfg.batch_size, cfg.remainder)
             past = ranges_length(ranges)
-        sources, pieces = mixed.reads([(a, b) for a, b, _ in runs])
+            spots = np.concatenate([np.arange(a, b) for a, b, _ in runs] or [np.zeros(0, np.int64)])
+            tags = np.concatenate([np.arange(a, b) + total * (v >= past) for a, b, v in runs] or [spots])
+        sources, pieces = mixed.reads(spots)
         if cfg.mix == "stratified":
             width = len(self.mix.sources)  # type: ignore[union-attr]
             batches = sources[: len(sources) // cfg.batch_size * cfg.batch_size].reshape(-1, cfg.batch_size)
             self.stripes = {epoch: [np.bincount(b, minlength=width).tolist() for b in batches]}
-        tags = itertools.chain.from_iterable(
-            range(a + total * (v >= past), b + total * (v >= past)) for a, b, v in runs
-        )
         readers = [self._source_samples(p, worker, bad) for p in pieces]
-        for source, tag in zip(sources.tolist(), tags, strict=True):
+        for source, tag in zip(sources.tolist(), tags.tolist(), strict=True):
             sample = next(readers[source])
             sample[POSITION] = tag
             yield sample

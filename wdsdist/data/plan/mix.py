@@ -9,8 +9,9 @@ so with ``repeat: 0.5`` epochs 0 and 1 read one pass between them, each sample o
 The epoch's sample sequence interleaves the windows in stretches of a batch (``stripes``): each
 holds every source's share of it, rounded down or up, so every batch of every rank does (in
 the sequence's order; loader.mix=stratified keeps it through the shuffle). From there on the mix is
-an ordinary epoch of split=samples: cut into equal spans per rank and worker, padded with its
-first positions, resumed and re-split on another layout by positions (splits.py, resume.py).
+an ordinary epoch of split=samples: cut into equal spans per rank and worker, padded to equal
+batches (with samples that keep the padded batches' shares too: MixEpoch.padding), resumed and
+re-split on another layout by positions (splits.py, resume.py).
 """
 
 from __future__ import annotations
@@ -180,11 +181,16 @@ def stripes(lengths: Sequence[int], size: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
+def _stripes(lengths: tuple[int, ...], size: int) -> np.ndarray:
+    return stripes(lengths, size)
+
+
+@functools.lru_cache(maxsize=4)
 def interleave(lengths: tuple[int, ...], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(source, index in its window) of each position of the mixed sequence: stretch after
     stretch of ``size`` (``stripes``), each holding its sources' counts one source after another.
     The same arrays on every rank and worker: numbers only, no seed."""
-    counts = stripes(lengths, size)
+    counts = _stripes(lengths, size)
     source_of = np.repeat(np.tile(np.arange(len(lengths), dtype=np.int32), len(counts)), counts.ravel())
     index_of = np.zeros(len(source_of), dtype=np.int64)
     for s, n in enumerate(lengths):
@@ -215,28 +221,51 @@ def stream_pieces(source: MixSource, seed: int, start: int, stop: int) -> Iterat
 
 
 class MixEpoch:
-    """One epoch of a mix: its windows, and where each position of its sequence reads from."""
+    """One epoch of a mix: its windows, and where each position of its sequence reads from.
+
+    Positions N on are the padding's slots (splits.plan_samples pads every epoch to equal
+    batches). ``padding`` says which samples fill them: first those that complete the batch
+    holding the sequence's last, short stretch to the shares, then the stretches of the
+    sequence's start; each source gives its window's first samples again. A sample read as
+    padding is tagged N + where it sits in the sequence (``batch["pos"]``, as with one data set)."""
 
     def __init__(self, mix: Mix, seed: int, epoch: int, batch_size: int):
-        self.mix, self.seed, self.epoch = mix, seed, epoch
+        self.mix, self.seed, self.epoch, self.size = mix, seed, epoch, batch_size
         self.windows = windows(mix, epoch)
-        self.total = sum(n for _, n in self.windows)
-        self.source_of, self.index_of = interleave(tuple(n for _, n in self.windows), batch_size)
+        self.lengths = tuple(n for _, n in self.windows)
+        self.total = sum(self.lengths)
+        self.source_of, self.index_of = interleave(self.lengths, batch_size)
+        self._padding = np.zeros(0, dtype=np.int64)
 
-    def sources(self, positions: np.ndarray) -> np.ndarray:
-        """The source of each position (from N on: the padding, position - N again)."""
-        return self.source_of[np.asarray(positions) % self.total]
+    def sources(self, tags: np.ndarray) -> np.ndarray:
+        """The source of each sample by its tag (``batch["pos"]``: N + p is position p again)."""
+        return self.source_of[np.asarray(tags) % self.total]
+
+    def slot_sources(self, positions: np.ndarray) -> np.ndarray:
+        """The source of each position of the padded sequence (N on: the padding's slots)."""
+        positions = np.asarray(positions)
+        pad = positions >= self.total
+        real = positions.copy()
+        if pad.any():
+            real[pad] = self.padding(int(positions.max()) - self.total + 1)[positions[pad] - self.total]
+        return self.source_of[real]
 
     def counts(self, start: int, stop: int) -> list[int]:
-        """Samples of each source at positions [start, stop) (wrapping past N: the padding)."""
-        picked = self.source_of[np.arange(start, stop) % self.total]
+        """Samples of each source at positions [start, stop) of the padded sequence."""
+        picked = self.slot_sources(np.arange(start, stop))
         return np.bincount(picked, minlength=len(self.windows)).tolist()
 
-    def reads(self, positions: Sequence[tuple[int, int]]) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
-        """What reading ``positions`` (real [start, stop) ranges of the sequence, in order) takes:
-        the source of each position in turn, and per source the shard pieces that give its
-        samples in that same order (each source's part of a stretch is a run of its window)."""
-        spots = np.concatenate([np.arange(a, b) for a, b in positions]) if positions else np.zeros(0, np.int64)
+    def padding(self, count: int) -> np.ndarray:
+        """The positions read again for the first ``count`` padding slots (see the class)."""
+        if len(self._padding) < count:
+            self._padding = _padding(self.lengths, self.size, self.source_of, count)
+        return self._padding[:count]
+
+    def reads(self, spots: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
+        """What reading the sequence's positions ``spots`` in turn takes: the source of each, and per
+        source the shard pieces that give its samples in that same order (each source's part of a
+        stretch is a run of its window)."""
+        spots = np.asarray(spots, dtype=np.int64)
         sources = self.source_of[spots]
         pieces: list[list[tuple[int, int, int]]] = []
         for s, source in enumerate(self.mix.sources):
@@ -245,6 +274,59 @@ class MixEpoch:
             runs = _runs(index)
             pieces.append([p for a, b in runs for p in stream_pieces(source, self.seed, first + a, first + b)])
         return sources, pieces
+
+
+def _completion(lengths: Sequence[int], size: int, last: np.ndarray) -> np.ndarray:
+    """Each source's samples of padding that make the sequence's last, short stretch (``last``,
+    per source) a batch holding every share rounded down or up: the rounding up goes to the
+    sources furthest behind their share, as in ``stripes``."""
+    total = sum(lengths)
+    full = total // size
+    lo = np.array([size * n // total for n in lengths])
+    hi = lo + np.array([(size * n) % total > 0 for n in lengths])
+    want = np.maximum(last, lo)
+    alive = np.array([n > 0 for n in lengths])
+
+    def lag(s: int) -> int:  # how far source s would lag its share after this batch (in 1/total)
+        given = lengths[s] - last[s]
+        return (full + 1) * size * lengths[s] - (given + want[s]) * total
+
+    while want.sum() < size:
+        pick = [s for s in range(len(lengths)) if alive[s] and want[s] < hi[s]] or [
+            s for s in range(len(lengths)) if alive[s]
+        ]
+        want[max(pick, key=lambda s: (lag(s), -s))] += 1
+    while want.sum() > size:
+        pick = [s for s in range(len(lengths)) if want[s] > max(last[s], lo[s])] or [
+            s for s in range(len(lengths)) if want[s] > last[s]
+        ]
+        want[min(pick, key=lambda s: (lag(s), s))] -= 1
+    return want - last
+
+
+def _padding(lengths: tuple[int, ...], size: int, source_of: np.ndarray, count: int) -> np.ndarray:
+    """MixEpoch.padding: the positions the first ``count`` padding slots read."""
+    rows = _stripes(lengths, size)
+    total = sum(lengths)
+    full = total // size
+    width = len(lengths)
+    parts = []
+    if total % size:
+        parts.append(_completion(lengths, size, rows[-1]))
+    cycle = list(rows[:full]) or [parts[0] + rows[-1]]  # the whole batches of the sequence's start
+    filled = sum(int(p.sum()) for p in parts)
+    for row in itertools.cycle(cycle):
+        if filled >= count:
+            break
+        parts.append(np.asarray(row))
+        filled += int(row.sum())
+    slots = np.concatenate([np.repeat(np.arange(width), part) for part in parts])[:count]
+    real = np.zeros(len(slots), dtype=np.int64)
+    for s, n in enumerate(lengths):
+        mine = slots == s
+        if n and mine.any():
+            real[mine] = np.flatnonzero(source_of == s)[np.arange(int(mine.sum())) % n]
+    return real
 
 
 def _runs(index: np.ndarray) -> list[tuple[int, int]]:
@@ -261,7 +343,8 @@ def coverage(mix: Mix, epoch: int, padded: int, batch_size: int) -> list[dict]:
     """Per source, for the epoch line and simdist: the samples its window reads, what they are in
     passes of it, and how many of the ``padded`` positions (the sequence's first) are its."""
     total = epoch_total(mix, epoch)
-    pad = MixEpoch(mix, 0, epoch, batch_size).counts(total, total + padded) if padded else [0] * len(mix.sources)
+    mixed = MixEpoch(mix, 0, epoch, batch_size)
+    pad = mixed.counts(total, total + padded) if padded else [0] * len(mix.sources)
     return [
         {"name": s.name, "setting": s.setting, "samples": n, "passes": n / s.size, "padding": p}
         for s, (_, n), p in zip(mix.sources, windows(mix, epoch), pad, strict=True)
