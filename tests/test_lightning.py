@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,18 @@ def test_importing_the_loader_does_not_import_lightning():
     code = "import sys, wdsdist.data; wdsdist.data.Loader; assert 'pytorch_lightning' not in sys.modules, 'imported'"
     result = run_script("-c", code)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_data_module_reads_several_data_sets_with_each_batch_naming_its_sources(tmp_path):
+    from wdsdist.data import Source
+    from wdsdist.lightning import WdsDataModule
+
+    a = write_tiny_shards(tmp_path / "a", [6, 5], "a")
+    b = write_tiny_shards(tmp_path / "b", [4], "b")
+    cfg = LoaderConfig(batch_size=3, workers=0, mode="epoch", image_size=8, with_keys=True, shuffle_buffer=0)
+    module = WdsDataModule([Source("a", str(a)), Source("b", str(b), repeat=2)], cfg)
+    batches = list(module.train_dataloader())
+    got = Counter((s, k) for batch in batches for s, k in zip(batch["source"].tolist(), batch["key"], strict=True))
+    # a once and b twice, plus the padding to equal batches (11 + 8 = 19 samples, 7 batches of 3)
+    assert len(batches) == len(module.loader) == 7 and sum(got.values()) == 21
+    assert all(got[(0, f"s{i:07d}")] >= 1 for i in range(11)) and all(got[(1, f"s{i:07d}")] >= 2 for i in range(4))

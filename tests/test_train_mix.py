@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.config import compose_config
-from tests.helpers.training import VAL_COUNTS, overrides
+from tests.helpers.training import VAL_COUNTS, overrides, torchrun
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture)
 from wdsdist.data import Loader, LoaderConfig, Source
 from wdsdist.data.plan.mix import coverage, epoch_total
@@ -72,14 +72,15 @@ def mixed_run(shards, sets, tmp_path_factory):
     return run, proc.stdout, events
 
 
-def planned(sets) -> list[dict[str, int]]:
-    """What the loader's plan says each of the two epochs delivers of each source, its padding included."""
+def planned(sets, world: int = 1) -> list[dict[str, int]]:
+    """What the loader's plan says each of the two epochs delivers of each source on ``world``
+    ranks, its padding included."""
     cfg = LoaderConfig(batch_size=BS, workers=2, mode="epoch", image_size=32)
     mix = Loader([Source(name, spec, **SETTINGS[name]) for name, spec in sets["train"].items()], cfg).mix
     out = []
     for epoch in range(2):
         total = epoch_total(mix, epoch)
-        padding = rank_batches(total, 1, BS, "pad") * BS - total
+        padding = rank_batches(total, world, BS, "pad") * world * BS - total
         out.append({row["name"]: row["samples"] + row["padding"] for row in coverage(mix, epoch, padding, BS)})
     return out
 
@@ -165,3 +166,18 @@ def test_the_mix_experiment_composes_without_train_shards():
     cfg = compose_config(["data.sources=[{name:a,shards:a.index.json}]"])
     with pytest.raises(config.UserError, match=r"add data.train_shards=null\)$"):
         config.check(cfg)
+
+
+def test_two_ranks_train_the_plans_samples_per_source_in_equal_steps(shards, sets, tmp_path):
+    """Under torchrun the epoch line's counts are both ranks' (all-reduced), as the plan for two
+    ranks states them, and the ranks run the same steps (or DDP would hang)."""
+    import re
+
+    proc = torchrun(2, *mix_args(shards, sets, tmp_path / "run", "trainer.workers=1", "data.val_sources=null"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want = planned(sets, world=2)
+    steps = [rank_batches(sum(w.values()), 2, BS, "pad") for w in want]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    got = [dict(re.findall(r"(\w+) (\d+) \(", line.split(": ", 1)[1])) for line in lines]
+    assert [{k: int(v) for k, v in g.items()} for g in got] == want
+    assert [int(re.search(r"at step (\d+)", line).group(1)) for line in lines] == [steps[0], steps[0] + steps[1]]

@@ -38,11 +38,22 @@ Use ``Trainer(use_distributed_sampler=False)``: the loader splits the data itsel
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 
-from wdsdist.data import EvalLoader, Loader, LoaderConfig, LoaderMode, ShardSpec, Transform, UserError, expand_shards
+from wdsdist.data import (
+    EvalLoader,
+    Loader,
+    LoaderConfig,
+    LoaderMode,
+    ShardSpec,
+    Source,
+    Transform,
+    UserError,
+    expand_shards,
+)
 
 STATE_KEY = "loader"
 
@@ -51,14 +62,15 @@ class WdsDataModule(pl.LightningDataModule):
     """Our ``Loader`` for training and ``EvalLoader`` for validation, built once per fit on each
     rank (rank and world from torch.distributed, which Lightning has set up by then).
 
-    ``train_shards``, ``val_shards``: shard specs as ``Loader`` takes them. ``config``: the
+    ``train_shards``, ``val_shards``: shard specs as ``Loader`` takes them (``train_shards`` may
+    be a list of ``Source``: several data sets, each batch's ``source`` saying whose). ``config``: the
     loader's options (``mode=epoch`` for epochs of equal length on every rank, ``repeat`` with
     ``Trainer(max_steps=N)``). ``transform``: as ``Loader``'s, run in the workers.
     """
 
     def __init__(
         self,
-        train_shards: ShardSpec,
+        train_shards: ShardSpec | Sequence[Source],
         config: LoaderConfig,
         val_shards: ShardSpec | None = None,
         transform: Transform | None = None,
