@@ -319,9 +319,7 @@ STREAM_RULES: tuple[Rule, ...] = (
         "only applies with loader.split=samples (the epoch default; give it in repeat mode)",
     ),
 )
-MIX_RULES: tuple[Rule, ...] = (
-    ("mix", lambda o: o.mix in MIXES, "sample or stratified"),
-)
+MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stratified"),)
 STREAM_RULES += MIX_RULES
 LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
