@@ -247,3 +247,27 @@ def test_new_weights_at_an_epoch_end_carry_each_sources_coverage_over_and_are_re
     next(iter(mid))
     with pytest.raises(UserError, match=r"in the middle of epoch 0 with other weights"):
         Loader(later, c).load_state_dict(mid.state_dict())
+
+
+def test_after_an_elastic_resume_stratified_batches_hold_each_share_within_a_sample(tiny_shards):
+    """The re-split epoch's remaining positions are cut into new batches, not the sequence's
+    stretches: each still holds every source's share to within one sample either way (a shuffled
+    mix=sample batch of 12 does not: this test fails with it)."""
+    counts = {"a": [30, 30, 30], "b": [20, 25], "c": [15]}
+    setting = [Source(name, str(tiny_shards(n, prefix=f"e{name}"))) for name, n in counts.items()]
+    c = cfg(workers=1, mix="stratified", batch_size=12, shuffle_buffer=60)
+    before = [Loader(setting, c, rank=r, world=2) for r in range(2)]
+    for loader in before:
+        next(iter(loader))
+    states = [loader.state_dict()["ranks"][r] for r, loader in enumerate(before)]
+    after = [Loader(setting, c, rank=r, world=3) for r in range(3)]
+    mixed = MixEpoch(after[0].mix, 5, 0, 12)
+    shares = [n * 12 / mixed.total for n in mixed.lengths]
+    rows = []
+    for loader in after:
+        loader.load_state_dict(states)
+        rows += [np.bincount(b["source"].numpy(), minlength=len(shares)) for b in loader]
+    assert after[0].resize is not None and after[0].resize.epochs and len(rows) == 12
+    for got in rows:
+        for count, share in zip(got, shares, strict=True):
+            assert np.floor(share) - 1 <= count <= np.ceil(share) + 1, (got, shares)

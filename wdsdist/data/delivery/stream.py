@@ -243,9 +243,14 @@ class ShardStream(IterableDataset):
             tags = np.concatenate([np.arange(a, b) + total * (v >= past) for a, b, v in runs] or [spots])
         sources, pieces = mixed.reads(spots)
         if cfg.mix == "stratified":
-            width = len(self.mix.sources)  # type: ignore[union-attr]
-            batches = sources[: len(sources) // cfg.batch_size * cfg.batch_size].reshape(-1, cfg.batch_size)
-            self.stripes = {epoch: [np.bincount(b, minlength=width).tolist() for b in batches]}
+            width, size = len(self.mix.sources), cfg.batch_size  # type: ignore[union-attr]
+            if ranges is None:  # whole batches of the sequence: its stretches
+                batches = sources[: len(sources) // size * size].reshape(-1, size)
+                self.stripes = {epoch: [np.bincount(b, minlength=width).tolist() for b in batches]}
+            else:  # a re-split epoch's batches are not stretches: the worker's own shares, rounded
+                shares = (np.bincount(sources, minlength=width) / max(len(sources), 1)).tolist()
+                carry = [0.0] * width
+                self.stripes = {epoch: [quotas(shares, carry, size) for _ in range(len(sources) // size)]}
         readers = [self._source_samples(p, worker, bad) for p in pieces]
         for source, tag in zip(sources.tolist(), tags.tolist(), strict=True):
             sample = next(readers[source])
