@@ -217,7 +217,7 @@ def mix_main(args: argparse.Namespace) -> int:
         raise UserError(f"--mix takes its data and epochs from its sources; it does not combine with {other[0]}")
     if args.split == "shards" or args.shard_order != "global":
         # The loader's own refusal, in its words (it imports torch: only when there is one to make).
-        from wdsdist.data.delivery.pipeline import mix_config
+        from wdsdist.data.delivery.mixing import mix_config
         from wdsdist.data.options import LoaderConfig
 
         mix_config(

@@ -271,3 +271,12 @@ def test_after_an_elastic_resume_stratified_batches_hold_each_share_within_a_sam
     for got in rows:
         for count, share in zip(got, shares, strict=True):
             assert np.floor(share) - 1 <= count <= np.ceil(share) + 1, (got, shares)
+
+
+def test_an_index_claiming_more_samples_than_a_mix_plans_is_refused_in_one_line():
+    """Counts come from an index, which may be hostile: the per-position arrays stay bounded."""
+    from wdsdist.data.plan.mix import MAX_SAMPLES
+
+    huge = Mix((MixSource("a", (0,), (MAX_SAMPLES,)), MixSource("b", (1,), (5,))))
+    with pytest.raises(UserError, match=rf"an epoch of {MAX_SAMPLES + 5} samples is more than a mix plans"):
+        check(huge)

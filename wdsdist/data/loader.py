@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
+from wdsdist.data.delivery.mixing import mix_config, resolve_sources
 from wdsdist.data.delivery.pipeline import (
     RankLoader,
     check_layout,
     counted_shards,
     make_eval_loader,
-    mix_config,
     resolve_shards,
-    resolve_sources,
 )
 from wdsdist.data.options import LoaderConfig, LoaderMode, Source
 from wdsdist.data.plan.elastic import Resize, rank_state

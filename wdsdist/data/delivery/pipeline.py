@@ -56,9 +56,9 @@ from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbat
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
-from wdsdist.data.options import LoaderConfig, LoaderMode, ShardOrder, Source, Split
+from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
-from wdsdist.data.plan.mix import Mix, MixSource, check, epoch_total
+from wdsdist.data.plan.mix import Mix, epoch_total, same_mix
 from wdsdist.data.plan.order import GLOBAL, NodeOrder, node_order, order_nodes
 from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
@@ -319,60 +319,6 @@ def counted_shards(shards: Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
             f"(makeshards.py --index), or use loader.split=shards"
         )
     return [s if s.nsamples == n else replace(s, nsamples=n) for s, n in zip(shards, counts, strict=True)]
-
-
-def same_mix(state: dict, mix: Mix | None, where: str) -> None:
-    """Refuse, in one line naming the difference, a loader state of other sources (or none)."""
-    saved = state.get("mix")
-    if saved == (mix.digest() if mix is not None else None) or (mix is not None and saved == mix.previous):
-        return
-    if mix is None:
-        raise UserError(f"{where} was saved reading several data sets ({state.get('sources')}): give the same sources")
-    if saved is None:
-        raise UserError(f"{where} was saved reading one data set: resume it without data.sources")
-    old = {name: [setting, size] for name, setting, size in state.get("sources", [])}
-    new = {name: [setting, size] for name, setting, size in mix.describe()}
-    changed = [
-        f"{n}: {old.get(n, 'absent')} then, {new.get(n, 'absent')} now"
-        for n in {**old, **new}
-        if old.get(n) != new.get(n)
-    ]
-    raise UserError(
-        f"{where} was saved with other data.sources ({'; '.join(changed) or 'epoch_samples'}): give the same sources"
-    )
-
-
-def mix_config(cfg: LoaderConfig) -> LoaderConfig:
-    """The config several data sets are read with: split=samples (what keeps each source's
-    promise exactly), refused in one line where another split or order is asked for."""
-    if cfg.mode == LoaderMode.resampled:
-        raise UserError("data.sources: loader.mode=resampled draws shards at random; use epoch or repeat")
-    if cfg.split == Split.shards:
-        raise UserError("data.sources needs loader.split=samples (each source's samples counted exactly)")
-    if cfg.mix == "stratified" and cfg.cross_shuffle:
-        raise UserError("loader.mix=stratified makes each batch in its worker: use loader.cross_shuffle=0")
-    if cfg.shard_order == ShardOrder.node:
-        raise UserError("data.sources: loader.shard_order=node is not supported with several data sets; use global")
-    return replace(cfg, split=Split.samples)
-
-
-def resolve_sources(sources: Sequence[Source], cfg: LoaderConfig) -> tuple[list[Shard], Mix]:
-    """Every source's shards, counted, in one list, and the mix that reads them (refused in one
-    line naming the source where it cannot be read)."""
-    shards: list[Shard] = []
-    parts = []
-    for source in sources:
-        try:
-            mine = counted_shards(resolve_shards(source.shards, cfg), cfg)
-        except UserError as exc:
-            raise UserError(f"source {source.name!r}: {exc}") from None
-        index = tuple(range(len(shards), len(shards) + len(mine)))
-        shards += mine
-        counts = tuple(s.nsamples or 0 for s in mine)
-        parts.append(MixSource(source.name, index, counts, source.weight, source.repeat, source.samples))
-    mix = Mix(tuple(parts), cfg.epoch_samples)
-    check(mix)
-    return shards, mix
 
 
 def check_layout(

@@ -30,6 +30,10 @@ import numpy as np
 from wdsdist.data.plan.splits import span_pieces
 from wdsdist.errors import UserError
 
+# The most samples a mixed epoch may have: each worker holds the sequence's source and index of
+# every position (6 bytes each), so a count from an index, which may be hostile, is bounded here.
+MAX_SAMPLES = 200_000_000
+
 
 @dataclass(frozen=True)
 class MixSource:
@@ -95,6 +99,8 @@ def check(mix: Mix) -> None:
     names = [s.name for s in mix.sources]
     if not mix.sources:
         raise UserError("data.sources is empty: give at least one source")
+    if len(names) > 32767:  # a position's source is an int16
+        raise UserError(f"data.sources: {len(names)} sources are more than 32767")
     if len(set(names)) != len(names):
         raise UserError(f"data.sources: two sources are named {next(n for n in names if names.count(n) > 1)!r}")
     for s in mix.sources:
@@ -106,6 +112,12 @@ def check(mix: Mix) -> None:
         value = getattr(s, given[0]) if given else 1
         if value <= 0:
             raise UserError(f"source {s.name!r}: {given[0]}={value} must be > 0")
+    total = epoch_total(mix, 0) if not any(s.weight is not None for s in mix.sources) or mix.epoch_samples else 0
+    if total > MAX_SAMPLES:
+        raise UserError(
+            f"data.sources: an epoch of {total} samples is more than a mix plans ({MAX_SAMPLES}: it holds a few "
+            f"bytes per sample of the epoch in each worker); check the sources' sample counts (their index)"
+        )
     weighted = [s for s in mix.sources if s.weight is not None]
     if weighted and mix.epoch_samples is None:
         raise UserError(f"source {weighted[0].name!r} has a weight: give data.epoch_samples (the mixed epoch's size)")
@@ -191,8 +203,8 @@ def interleave(lengths: tuple[int, ...], size: int) -> tuple[np.ndarray, np.ndar
     stretch of ``size`` (``stripes``), each holding its sources' counts one source after another.
     The same arrays on every rank and worker: numbers only, no seed."""
     counts = _stripes(lengths, size)
-    source_of = np.repeat(np.tile(np.arange(len(lengths), dtype=np.int32), len(counts)), counts.ravel())
-    index_of = np.zeros(len(source_of), dtype=np.int64)
+    source_of = np.repeat(np.tile(np.arange(len(lengths), dtype=np.int16), len(counts)), counts.ravel())
+    index_of = np.zeros(len(source_of), dtype=np.int32)  # a window holds at most MAX_SAMPLES
     for s, n in enumerate(lengths):
         index_of[source_of == s] = np.arange(n)
     return source_of, index_of
@@ -370,13 +382,10 @@ def carry_over(
     old = from_spec(saved)
     shape = [[s.name, s.size, s.weight is None, s.repeat, s.samples] for s in old.sources]
     if shape != [[s.name, s.size, s.weight is None, s.repeat, s.samples] for s in mix.sources]:
-        before = {s.name: [s.setting, s.size] for s in old.sources}
-        now = {s.name: [s.setting, s.size] for s in mix.sources}
-        changed = [f"{n}: {before.get(n, 'absent')} then, {now.get(n, 'absent')} now" for n in {**before, **now}]
-        changed = [c for c, n in zip(changed, {**before, **now}, strict=True) if before.get(n) != now.get(n)]
+        changed = differences(old.describe(), mix.describe()) or "their order"
         raise UserError(
-            f"{where} was saved with other data.sources ({'; '.join(changed) or 'their order'}): give the same "
-            f"sources (only weights may change, at an epoch's end)"
+            f"{where} was saved with other data.sources ({changed}): give the same sources "
+            f"(only weights may change, at an epoch's end)"
         )
     weights = [s.weight for s in old.sources], [s.weight for s in mix.sources]
     kept = Mix(mix.sources, mix.epoch_samples, old.origin, old.offsets)
@@ -395,3 +404,27 @@ def carry_over(
     if old.epoch_samples != mix.epoch_samples:
         changes += f"{', ' if changes else ''}epoch_samples {old.epoch_samples} -> {mix.epoch_samples}"
     return moved, f"data.sources: new weights from epoch {epoch} (a curriculum): {changes}"
+
+
+def differences(before: Sequence[Sequence], now: Sequence[Sequence]) -> str:
+    """What changed between two ``Mix.describe``s, source by source, for a refusal's line."""
+    old = {name: [setting, size] for name, setting, size in before}
+    new = {name: [setting, size] for name, setting, size in now}
+    return "; ".join(
+        f"{n}: {old.get(n, 'absent')} then, {new.get(n, 'absent')} now"
+        for n in {**old, **new}
+        if old.get(n) != new.get(n)
+    )
+
+
+def same_mix(state: dict, mix: Mix | None, where: str) -> None:
+    """Refuse, in one line naming the difference, a loader state of other sources (or none)."""
+    saved = state.get("mix")
+    if saved == (mix.digest() if mix is not None else None) or (mix is not None and saved == mix.previous):
+        return
+    if mix is None:
+        raise UserError(f"{where} was saved reading several data sets ({state.get('sources')}): give the same sources")
+    if saved is None:
+        raise UserError(f"{where} was saved reading one data set: resume it without data.sources")
+    changed = differences(state.get("sources", []), mix.describe())
+    raise UserError(f"{where} was saved with other data.sources ({changed or 'epoch_samples'}): give the same sources")
