@@ -13,7 +13,9 @@ import torch
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.order import shard_order, shuffled_offsets
-from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint, saved_progress, whole_epoch
+from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint, saved_progress
+from wdsdist.data.plan.sequence import EpochSequence
+from wdsdist.data.plan.splits import Layout
 from wdsdist.data.sources import shardspec
 from wdsdist.errors import UserError
 
@@ -62,8 +64,8 @@ def test_a_shard_short_of_its_claimed_count_costs_a_row_one_run_and_the_state_a_
     keys = [f"s{i:07d}" for i in range(26)]
     sequence = keys[:17] + [None] * (CLAIMED - 10) + keys[17:]  # None: the positions the shard lacks
     (progress,) = saved_progress(
-        [point], 0, whole_epoch(len(sequence)), 1, c.batch_size, "pad",
-        lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n),
+        [point], 0, EpochSequence.of(len(sequence)), Layout(1, 1, c.batch_size),
+        lambda rank, worker, n: shuffled_offsets(c.seed, c.shuffle_buffer, rank, worker, 0, n),
     )  # fmt: skip
     taken = [sequence[p] for a, b in progress.consumed() for p in range(a, b)]
     assert set(taken) - {None} == {k for b in before for k in b["key"]} and taken.count(None) > CLAIMED - 100
@@ -92,7 +94,7 @@ def test_the_tracker_moves_its_prefix_over_a_run_in_one_step_and_keeps_one_beyon
     assert point.runs == {0: {0: ((2, 1_000_002),)}}
     assert len(json.dumps(point.state())) < 200 and ResumePoint.from_state(point.state()) == point
     # Elastic resume reads it as consumed positions, as ranges too.
-    (progress,) = saved_progress([point], 0, whole_epoch(3_000_000), 1, 1, "pad")
+    (progress,) = saved_progress([point], 0, EpochSequence.of(3_000_000), Layout(1, 1, 1))
     assert progress.consumed() == [(0, 1), (2, 1_000_003)]
     # A resumed tracker holds the same; the row that fills the hole moves the prefix over the
     # run and the seq beyond it.

@@ -10,20 +10,11 @@ import pytest
 
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.plan.elastic import SHARED, rank_state
 from wdsdist.data.plan.order import shard_order, shuffled_offsets
-from wdsdist.data.plan.resume import (
-    ResumePoint,
-    WorkerProgress,
-    ranges_length,
-    remaining_after,
-    resplit_pieces,
-    round_robin_progress,
-    saved_progress,
-    virtual_to_real,
-    whole_epoch,
-)
-from wdsdist.data.plan.splits import plan_samples, rank_batches, sample_span, span_pieces
+from wdsdist.data.plan.resume import ResumePoint, WorkerProgress, remaining_after, round_robin_progress, saved_progress
+from wdsdist.data.plan.sequence import EpochSequence, EpochShards, virtual_to_real, whole_epoch
+from wdsdist.data.plan.splits import Layout, plan_samples, rank_batches, sample_span, span_pieces
+from wdsdist.data.plan.state import SHARED
 from wdsdist.errors import UserError
 
 COUNTS = [7, 13, 0, 5, 11, 9, 6, 12]  # 63 samples, uneven, one empty shard
@@ -31,26 +22,37 @@ CUMULATIVE = list(itertools.accumulate(COUNTS, initial=0))
 N = CUMULATIVE[-1]
 
 
+SHARDS = EpochShards(COUNTS, range(len(COUNTS)))  # the shards in their own order
+
+
+def pieces_of(ranges, rank, layout, worker):
+    """(shard, first, stop) pieces a worker reads of an epoch's remaining ``ranges``."""
+    sequence = EpochSequence(N, tuple(ranges))
+    _, (pieces,) = SHARDS.reads(sequence.runs(*sequence.span(layout, rank, worker)))
+    return pieces
+
+
 def deliver(ranges, world, nworkers, bs, remainder):
     """Every (rank, worker)'s real positions on this layout, and the batches per rank, checking
-    that each worker gets whole batches of contiguous virtual positions and each rank the same."""
-    out, rank_batches = {}, set()
+    that each worker gets whole batches of contiguous virtual positions, each rank the same."""
+    sequence, layout = EpochSequence(N, tuple(ranges)), Layout(world, nworkers, bs, remainder)
+    batches, out = sequence.batches(layout), {}
     for rank in range(world):
-        virtual = []
-        for worker in range(nworkers):
-            batches, pieces = resplit_pieces(ranges, CUMULATIVE, rank, world, worker, nworkers, bs, remainder)
-            rank_batches.add(batches)
+        spans = [sequence.span(layout, rank, worker) for worker in range(nworkers)]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # a rank's span, in order
+        assert spans[-1][1] - spans[0][0] == batches * bs  # every rank the same batches: none hangs
+        for worker, (lo, hi) in enumerate(spans):
             positions = []
-            for slot, first, stop, v in pieces:
-                assert 0 <= first < stop <= COUNTS[slot]
-                positions += [CUMULATIVE[slot] + i for i in range(first, stop)]
-                virtual += range(v, v + stop - first)
-            assert len(positions) % bs == 0
+            for shard, first, stop in pieces_of(ranges, rank, layout, worker):
+                assert 0 <= first < stop <= COUNTS[shard]
+                positions += [CUMULATIVE[shard] + i for i in range(first, stop)]
+            assert len(positions) == hi - lo and len(positions) % bs == 0
             out[rank, worker] = positions
-        if virtual:
-            assert virtual == list(range(virtual[0], virtual[0] + len(virtual)))  # a rank's span, in order
-    assert len(rank_batches) == 1  # every rank the same batches: none hangs
-    return out, rank_batches.pop()
+    return out, batches
+
+
+def left_after(ranges, progress):
+    return remaining_after(EpochSequence(N, tuple(ranges)), progress).ranges
 
 
 def shuffled_progress(rng, ranges, world, nworkers, bs, remainder, consumed):
@@ -59,7 +61,8 @@ def shuffled_progress(rng, ranges, world, nworkers, bs, remainder, consumed):
     batches = plan_batches(ranges, world, bs, remainder)
     out = []
     for rank in range(world):
-        for worker, p in enumerate(round_robin_progress(ranges, rank, world, nworkers, bs, remainder, consumed[rank])):
+        layout = Layout(world, nworkers, bs, remainder)
+        for worker, p in enumerate(round_robin_progress(EpochSequence(N, ranges), layout, rank, consumed[rank])):
             _, stop = sample_span(rank, world, worker, nworkers, bs, batches)
             done = max(p.start, p.done - rng.randint(0, 3))
             window = range(done + 1, min(stop, p.done + 4))
@@ -86,11 +89,13 @@ def test_a_whole_epochs_resplit_is_the_fresh_split():
     ranges = whole_epoch(N)
     for world, nworkers, bs, remainder in itertools.product((1, 2, 3), (1, 2, 3), (1, 4), ("pad", "drop")):
         p = plan_samples(COUNTS, world, nworkers, bs, remainder=remainder)
+        layout = Layout(world, nworkers, bs, remainder)
+        assert EpochSequence(N, ranges).batches(layout) == p.ranks[0].batches
         for rank in range(world):
             for worker in range(nworkers):
-                batches, pieces = resplit_pieces(ranges, CUMULATIVE, rank, world, worker, nworkers, bs, remainder)
-                assert batches == p.ranks[rank].batches
-                assert pieces == list(span_pieces(CUMULATIVE, *p.ranks[rank].workers[worker].span))
+                pieces = pieces_of(ranges, rank, layout, worker)
+                span = span_pieces(CUMULATIVE, *p.ranks[rank].workers[worker].span)
+                assert pieces == [(slot, first, stop) for slot, first, stop, _ in span]
 
 
 OLD = [(2, 2, 4), (3, 1, 4), (1, 2, 3), (4, 3, 2)]
@@ -107,7 +112,7 @@ def test_across_a_resize_every_position_once_but_the_padding(old, remainder):
     for consumed_batches in sorted({0, 1, k // 2, k - 1, k}):
         progress = shuffled_progress(rng, ranges, world, nworkers, bs, remainder, [consumed_batches] * world)
         old_seen = consumed_positions(ranges, progress)
-        left = remaining_after(ranges, progress)
+        left = left_after(ranges, progress)
         assert len(left) <= 1 + len(progress) + sum(len(p.beyond) for p in progress)  # O(ranks x workers)
         assert not set(old_seen) & {i for a, b in left for i in range(a, b)}
         m = sum(b - a for a, b in left)
@@ -133,11 +138,11 @@ def test_a_second_resize_in_the_resumed_epoch():
     first = whole_epoch(N)
     progress = shuffled_progress(rng, first, 2, 2, 4, "pad", [3, 3])
     seen = consumed_positions(first, progress)
-    second = remaining_after(first, progress)
+    second = left_after(first, progress)
     k2 = plan_batches(second, 3, 4, "pad")
     progress2 = shuffled_progress(rng, second, 3, 1, 4, "pad", [k2 // 2] * 3)
     seen += consumed_positions(second, progress2)
-    third = remaining_after(second, progress2)
+    third = left_after(second, progress2)
     new, k3 = deliver(third, 1, 2, 4, "pad")
     counts = Counter(seen) + Counter(i for positions in new.values() for i in positions)
     assert set(counts) == set(range(N))
@@ -149,41 +154,48 @@ def test_a_second_resize_in_the_resumed_epoch():
 def test_at_an_epoch_boundary_nothing_remains():
     ranges = whole_epoch(N)
     k = plan_batches(ranges, 2, 4, "pad")
-    progress = [p for r in range(2) for p in round_robin_progress(ranges, r, 2, 2, 4, "pad", k)]
-    left = remaining_after(ranges, progress)
+    progress = [p for r in range(2) for p in round_robin_progress(EpochSequence(N, ranges), Layout(2, 2, 4), r, k)]
+    left = left_after(ranges, progress)
     assert left == ()
-    assert resplit_pieces(left, CUMULATIVE, 0, 3, 0, 1, 4, "pad") == (0, [])
+    empty = EpochSequence(N, left)
+    assert empty.batches(Layout(3, 1, 4)) == 0 and empty.runs(*empty.span(Layout(3, 1, 4), 0, 0)) == []
 
 
 def test_round_robin_progress_follows_the_dataloaders_turns():
     # 63 samples, 1 rank, 3 workers, batch 4, pad: 16 batches, workers hold 6, 5, 5.
     ranges = whole_epoch(N)
-    got = [[(p.done - p.start) // 4 for p in round_robin_progress(ranges, 0, 1, 3, 4, "pad", k)] for k in (4, 15, 16)]
+    layout = Layout(1, 3, 4)
+    got = [
+        [(p.done - p.start) // 4 for p in round_robin_progress(EpochSequence(N, ranges), layout, 0, k)]
+        for k in (4, 15, 16)
+    ]
     assert got == [[2, 1, 1], [5, 5, 5], [6, 5, 5]]
 
 
 def test_the_state_stays_small_for_a_huge_epoch():
     """10^12 samples, 1,024 ranks x 8 workers: the remaining positions are ranges, not samples."""
     total = 10**12
-    ranges = whole_epoch(total)
-    progress = [p for r in range(1024) for p in round_robin_progress(ranges, r, 1024, 8, 256, "pad", 1000)]
-    left = remaining_after(ranges, progress)
-    assert len(left) <= 1024 * 8 + 1
-    assert sum(b - a for a, b in left) == total - 1024 * 1000 * 256
-    batches, pieces = resplit_pieces(left, [0, total // 2, total], 5, 512, 3, 4, 256, "pad")
+    epoch = EpochSequence.of(total)
+    progress = [p for r in range(1024) for p in round_robin_progress(epoch, Layout(1024, 8, 256), r, 1000)]
+    left = remaining_after(epoch, progress)
+    assert len(left.ranges) <= 1024 * 8 + 1
+    assert left.length == total - 1024 * 1000 * 256
+    layout = Layout(512, 4, 256)
+    batches = left.batches(layout)
     assert batches == -(-(total - 1024 * 1000 * 256) // (512 * 256))
-    assert sum(stop - first for _, first, stop, _ in pieces) in (batches // 4 * 256, (batches // 4 + 1) * 256)
+    _, (pieces,) = EpochShards([total // 2, total // 2], [0, 1]).reads(left.runs(*left.span(layout, 5, 3)))
+    assert sum(stop - first for _, first, stop in pieces) in (batches // 4 * 256, (batches // 4 + 1) * 256)
 
 
 def test_a_second_resize_of_a_huge_epoch_stays_arithmetic():
     total, bs = 10**12, 256
-    first = whole_epoch(total)
-    progress = [p for r in range(1024) for p in round_robin_progress(first, r, 1024, 8, bs, "pad", 1000)]
+    first = EpochSequence.of(total)
+    progress = [p for r in range(1024) for p in round_robin_progress(first, Layout(1024, 8, bs), r, 1000)]
     second = remaining_after(first, progress)
-    progress2 = [p for r in range(512) for p in round_robin_progress(second, r, 512, 4, bs, "pad", 10)]
+    progress2 = [p for r in range(512) for p in round_robin_progress(second, Layout(512, 4, bs), r, 10)]
     third = remaining_after(second, progress2)
-    assert len(third) <= len(second) + 512 * 4
-    assert sum(b - a for a, b in third) == total - 1024 * 1000 * bs - 512 * 10 * bs
+    assert len(third.ranges) <= len(second.ranges) + 512 * 4
+    assert third.length == total - 1024 * 1000 * bs - 512 * 10 * bs
 
 
 @pytest.mark.parametrize("cross, at", [(0, 3), (6, 4), (0, 11)])
@@ -208,21 +220,21 @@ def test_a_loaders_saved_state_names_the_positions_it_delivered(tiny_shards, cro
     if at == 11:  # the epoch ended: the state moved on to the next one
         assert all(p.epoch == 1 and not p.workers for p in points)
     progress = saved_progress(
-        points, 0, epoch, 2, bs, "pad", lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n)
+        points, 0, EpochSequence.of(total), Layout(2, 2, bs), lambda r, w, n: shuffled_offsets(seed, 20, r, w, 0, n)
     )
     assert sorted(consumed_positions(epoch, progress)) == sorted(p % total for p in seen)
-    left = remaining_after(epoch, progress)
+    left = remaining_after(EpochSequence.of(total), progress)
     first = list(itertools.accumulate(counts, initial=0))
     order = shard_order(range(len(counts)), seed, 0, 1)
-    cumulative = list(itertools.accumulate((counts[i] for i in order), initial=0))
+    shards = EpochShards(counts, order)
     sequence = [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
     keys = Counter(sequence[p % total] for p in seen)
     new = Counter()
     for rank in range(3):
-        _, pieces = resplit_pieces(left, cumulative, rank, 3, 0, 1, bs, "pad")
-        new.update(f"s{first[order[slot]] + j:07d}" for slot, lo, hi, _ in pieces for j in range(lo, hi))
+        _, (pieces,) = shards.reads(left.runs(*left.span(Layout(3, 1, bs), rank, 0)))
+        new.update(f"s{first[shard] + j:07d}" for shard, lo, hi in pieces for j in range(lo, hi))
     assert set(keys + new) == set(sequence)
-    padding = sum(new.values()) - ranges_length(left)
+    padding = sum(new.values()) - left.length
     assert 0 <= padding < 3 * bs
     assert sum(n - 1 for n in (keys + new).values()) == sum(n - 1 for n in keys.values()) + padding
 
@@ -278,8 +290,8 @@ def test_bad_samples_and_a_failed_shard_keep_the_saved_state_small_and_exact(tin
     before = [k for b in itertools.islice(iter(loader), 6) for k in b["key"]]
     saved = loader.state_dict()
     progress = saved_progress(
-        [ResumePoint.from_state(saved["point"])], 0, whole_epoch(total), max(workers, 1), bs, "pad",
-        lambda rank, worker, n: shuffled_offsets(c, rank, worker, 0, n),
+        [ResumePoint.from_state(saved["point"])], 0, EpochSequence.of(total), Layout(1, workers, bs),
+        lambda rank, worker, n: shuffled_offsets(seed, 4, rank, worker, 0, n),
     )  # fmt: skip
     consumed = {sequence[p % total] for p in consumed_positions(whole_epoch(total), progress)}
     assert set(before) <= consumed and consumed - set(before) <= set(sequence) - set(keys)
@@ -304,13 +316,11 @@ def sequence_of(counts, seed, epoch):
 
 
 def run_layout(spec, world, workers, states, at=None, **kw):
-    """Every rank's loader on this layout (resumed from ``states``: one rank's state each when the
-    layout is theirs, else {"resize": all of them}), ``at`` batches of each (None: the epoch);
-    the batches per rank, and the new states."""
+    """Every rank's loader on this layout (resumed from ``states``, every old rank's entry),
+    ``at`` batches of each (None: the epoch); the batches per rank, and the new states."""
     out, saved = [], []
     for rank in range(world):
-        state = rank_state(states, rank) if states and "resize" not in states[0] else states[0] if states else None
-        loader = make_loader(spec, rank, world, loader_cfg(workers, **kw), state)
+        loader = make_loader(spec, rank, world, loader_cfg(workers, **kw), states)
         out.append(list(itertools.islice(iter(loader), at)))
         saved.append(loader.state_dict())
     return out, saved
@@ -351,7 +361,7 @@ def test_a_resized_loader_delivers_every_key_of_the_epoch_once_but_the_padding(
     sequence = sequence_of(counts, 3, 0)
     check_positions(before, sequence)
     seen = Counter(k for r in before for b in r for k in b["key"])
-    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), {"resize": states}) for r in range(world)]
+    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), states) for r in range(world)]
     resize = loaders[0].resize
     after = [list(loader) for loader in loaders]
     assert len({len(r) for r in after}) == 1  # every rank the same batches: none hangs
@@ -395,13 +405,13 @@ def test_a_resumed_epoch_resumes_again_exactly_on_its_layout_and_on_a_third(tiny
     spec = str(tiny_shards(counts))
     sequence = sequence_of(counts, 3, 0)
     first, states = run_layout(spec, 2, 2, None, 4)
-    straight, _ = run_layout(spec, 3, 1, [{"resize": states}])
-    second, states2 = run_layout(spec, 3, 1, [{"resize": states}], 2)
+    straight, _ = run_layout(spec, 3, 1, states)
+    second, states2 = run_layout(spec, 3, 1, states, 2)
     assert "elastic" in states2[0] and all(s["elastic"] == SHARED for s in states2[1:])  # one copy
     rest, _ = run_layout(spec, 3, 1, states2)
     for r in range(3):
         assert [b["key"] for b in second[r] + rest[r]] == [b["key"] for b in straight[r]]
-    third, _ = run_layout(spec, 1, 2, [{"resize": states2}])
+    third, _ = run_layout(spec, 1, 2, states2)
     check_positions(third, sequence)
     seen = Counter(k for part in (first, second, third) for r in part for b in r for k in b["key"])
     assert set(seen) == set(sequence)
@@ -414,10 +424,10 @@ def test_a_resumed_epoch_resumes_again_exactly_on_its_layout_and_on_a_third(tiny
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"batch_size": 4}, "with trainer.batch_size=3: keep that batch size"),
-        ({"seed": 4}, "with seed 3 (each epoch's order comes from it): keep that seed"),
-        ({"remainder": "drop"}, "in the middle of epoch 0 with loader.remainder=pad: keep it"),
-        ({"shards": [7, 13, 5, 11, 9, 6, 11]}, "over other shards (63 samples then, 62 in 7 shards now)"),
+        ({"batch_size": 4}, "in the middle of epoch 0 with batch_size=3, now 4: keep it"),
+        ({"seed": 4}, "with seed=3, now 4: keep it (each epoch's order comes from it)"),
+        ({"remainder": "drop"}, "in the middle of epoch 0 with remainder=pad, now drop: keep it"),
+        ({"shards": [7, 13, 5, 11, 9, 6, 11]}, "over other shards (63 samples in 7 shards then, 62 samples in 7"),
         ({"older": "samples"}, "lacks what a re-split needs (samples; written by an older version)"),
         ({"older": "split"}, "lacks what a re-split needs (split, samples, counts; written by an older version)"),
     ],
@@ -433,9 +443,9 @@ def test_a_resize_that_cannot_be_exact_is_refused_in_one_line(tiny_shards, chang
         spec = str(tiny_shards(change["shards"], prefix="other"))
     kw = {k: v for k, v in change.items() if k in ("batch_size", "seed", "remainder")}
     with pytest.raises(UserError) as exc:
-        make_loader(spec, 0, 3, loader_cfg(1, **kw), {"resize": states, "checkpoint": "ckpt-0000002.pt"})
+        make_loader(spec, 0, 3, loader_cfg(1, **kw), states, where="ckpt-0000002.pt")
     text = str(exc.value)
-    assert "\n" not in text and text.startswith("ckpt-0000002.pt was saved with 2 ranks x 0 workers, now 3 x 1")
+    assert "\n" not in text and text.startswith("ckpt-0000002.pt was saved")
     assert message in text
 
 
@@ -469,7 +479,7 @@ def test_repeat_mode_re_splits_each_epoch_in_flight_then_runs_whole_ones(tiny_sh
     spec = str(tiny_shards(counts))
     kw = dict(mode="repeat")
     before, states = run_layout(spec, 2, 2, None, at, **kw)
-    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), {"resize": states}) for r in range(world)]
+    loaders = [make_loader(spec, r, world, loader_cfg(workers, **kw), states) for r in range(world)]
     resize = loaders[0].resize
     assert [e for e, _, _ in resize.epochs] == ([1] if at == 12 else [0]) and resize.start == resize.epochs[0][0]
     k_whole = rank_batches(total, world, bs, "pad")

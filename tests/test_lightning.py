@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # real training processes
 pytest.importorskip("pytorch_lightning")
 
 COUNTS = [7, 5, 9, 5, 4]  # 30 samples: 2 ranks x batch 4 -> 4 batches per rank, 2 of them padding
-N, BATCH, RANKS, STOP = sum(COUNTS), 4, 2, 2
+# A checkpoint at step 1 of 2 workers: the resumed epoch's next batch is worker 1's, then worker 0's
+# (the DataLoader takes them in turn), so a resume that started again at worker 0 would swap them.
+N, BATCH, RANKS, STOP, WORKERS = sum(COUNTS), 4, 2, 1, 2
 PER_RANK = -(-N // (RANKS * BATCH))
 
 
@@ -37,7 +39,7 @@ def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RAN
         f"--devices={devices}",
         f"--batch-size={BATCH}",
         "--image-size=16",
-        "--workers=1",
+        f"--workers={WORKERS}",
         "--schedule=constant",
         f"--ckpt-dir={tmp / 'ckpt'}",
         f"--trace={tmp / name}",
@@ -149,6 +151,17 @@ def test_the_checkpoint_rank_0_writes_holds_every_ranks_position(interrupted):
         assert [r["rank"] for r in state["ranks"]] == list(range(RANKS))
         assert [r["batches"] for r in state["ranks"]] == [STOP] * RANKS
         assert state["steps"] == STOP
+
+
+def test_three_workers_resumed_mid_rotation_go_on_as_the_straight_run(index, tmp_path):
+    # 4 batches per rank on 3 workers (2, 1 and 1 of them): after step 1, workers 1, 2 and 0 in turn
+    three = ("--workers=3", "--epochs=1")
+    straight = lightning(tmp_path / "a", index, "straight", *three)
+    first = lightning(tmp_path / "b", index, "first", *three, f"--max-steps={STOP}", f"--save-every={STOP}")
+    resumed = lightning(tmp_path / "b", index, "resumed", *three, f"--resume={tmp_path / 'b/ckpt/last.ckpt'}")
+    for r in range(RANKS):
+        assert [e["pos"] for e in first[r] + resumed[r]] == [e["pos"] for e in straight[r]]
+        assert len(first[r]) == STOP and len(resumed[r]) == PER_RANK - STOP
 
 
 def test_repeat_mode_resumed_neither_skips_nor_repeats_a_batch(index, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import write_tiny_shards
-from wdsdist.data import EvalLoader, Loader, LoaderConfig, dist_layout
+from wdsdist.data import EvalLoader, Loader, LoaderConfig, UserError, dist_layout
 
 COUNTS = [7, 5, 9, 5]  # 26 samples, uneven shards
 N = sum(COUNTS)
@@ -126,15 +126,15 @@ def test_a_state_saved_without_a_process_group_names_its_rank_only(index):
     state = one.state_dict()
     assert state["ranks"][0] is None and state["ranks"][1]["rank"] == 1
     Loader(index, cfg, rank=1, world=2).load_state_dict(state)  # its own rank: fine
-    with pytest.raises(ValueError, match="lacks rank 0's position"):
+    with pytest.raises(UserError, match="lacks rank 0's position"):
         Loader(index, cfg, rank=0, world=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="one rank's position only"):
+    with pytest.raises(UserError, match="one rank's position only"):
         Loader(index, cfg, rank=0, world=1).load_state_dict(state)
 
 
 def test_load_state_dict_comes_before_iteration_and_refuses_foreign_states(index):
     loader = Loader(index, config(mode="epoch"))
-    with pytest.raises(ValueError, match="not a wdsdist loader state"):
+    with pytest.raises(UserError, match="not a wdsdist loader state"):
         loader.load_state_dict({"format": "something-else", "ranks": [{}]})
     next(iter(loader))
     with pytest.raises(RuntimeError, match="before the loader's first iter"):

@@ -174,7 +174,7 @@ def test_resume_with_other_worker_count_is_refused(tiny_shards):
     shards = shardspec.expand(str(tiny_shards(COUNTS)))
     loader = make_loader(shards, 0, 1, cfg(nbatches=3))
     next(iter(loader))
-    with pytest.raises(UserError, match="saved with 2 workers, now 1"):
+    with pytest.raises(UserError, match="saved with 1 rank x 2 workers, now 1 rank x 1 worker"):
         make_loader(shards, 0, 1, cfg(nbatches=3, workers=1), state=loader.state_dict())
 
 

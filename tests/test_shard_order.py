@@ -24,7 +24,6 @@ from tests.helpers.servers import Servers
 from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.plan.elastic import rank_state
 from wdsdist.data.plan.order import GLOBAL, epoch_order, node_blocks, node_order, order_nodes, shard_order
 from wdsdist.data.plan.splits import plan_samples, rank_batches
 from wdsdist.errors import UserError
@@ -267,12 +266,11 @@ def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tm
 
 
 def run_layout(spec, world, workers, node_ranks, states, at=None):
-    """Every rank's loader on this layout (resumed from ``states``: one rank's state each when the
-    layout is theirs, else {"resize": all of them}), ``at`` batches of each (None: the epoch)."""
+    """Every rank's loader on this layout (resumed from ``states``, every old rank's entry), ``at``
+    batches of each (None: the epoch)."""
     out, saved = [], []
     for rank in range(world):
-        state = rank_state(states, rank) if states and "resize" not in states[0] else states[0] if states else None
-        loader = make_loader(spec, rank, world, cfg(workers=workers, node_ranks=node_ranks), state)
+        loader = make_loader(spec, rank, world, cfg(workers=workers, node_ranks=node_ranks), states)
         out.append(list(itertools.islice(iter(loader), at)))
         saved.append(loader.state_dict())
     return out, saved
@@ -295,7 +293,7 @@ def test_a_resume_on_another_node_count_delivers_the_interrupted_epoch_once(
     assert old_order != new_order
     before, states = run_layout(spec, old_world, old_workers, old_per, None, at)
     assert all(s["order"] == list(old_order) for s in states)
-    resized = [{"resize": states}] if (world, workers) != (old_world, old_workers) else states
+    resized = states
     # Part of the rest, a checkpoint on the new layout, then the rest of the epoch from it: the
     # interrupted epoch keeps the old order through both resumes.
     middle, states2 = run_layout(spec, world, workers, per, resized, 1)

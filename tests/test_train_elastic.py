@@ -140,12 +140,15 @@ def test_another_layout_in_epoch_mode_needs_split_samples(split, tmp_path):
     cfg = LoaderConfig(batch_size=2, workers=1, mode="epoch", split=split)
     loader = Loader(str(index), cfg, rank=0, world=1)
     with pytest.raises(UserError) as exc:
-        loader.load_state_dict({"ranks": [{"rank": 0, "workers": 1}, {"rank": 1, "workers": 1}]}, "ckpt-0000002.pt")
+        # every rank's entry as an older version wrote it, without the options a re-split needs
+        old = [{"rank": r, "world": 2, "workers": 1, "point": {"epoch": 0, "workers": {}}} for r in range(2)]
+        loader.load_state_dict({"format": "wdsdist-loader-v1", "ranks": old}, "ckpt-0000002.pt")
     if split == "shards":
         assert str(exc.value) == (
-            "ckpt-0000002.pt was saved with 2 ranks x 1 workers, now 1 x 1: loader.mode=epoch resumes on another "
-            "layout only with loader.split=samples (with split=shards: the same ranks and workers)"
+            "ckpt-0000002.pt was saved with 2 ranks x 1 worker, now 1 rank x 1 worker: loader.mode=epoch resumes on "
+            "another layout only with loader.split=samples (with split=shards: the same ranks and workers)"
         )
     else:  # every rank's state goes to the re-split (split=samples is the epoch default), which wants its keys
-        assert str(exc.value).startswith("ckpt-0000002.pt was saved with 2 ranks x 1 workers, now 1 x 1, and its ")
+        expected = "ckpt-0000002.pt was saved with 2 ranks x 1 worker, now 1 rank x 1 worker, and"
+        assert str(exc.value).startswith(expected)
         assert "lacks what a re-split needs" in str(exc.value)

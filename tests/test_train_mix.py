@@ -168,4 +168,3 @@ def test_the_mix_experiment_composes_without_train_shards():
     cfg = compose_config(["data.sources=[{name:a,shards:a.index.json}]"])
     with pytest.raises(config.UserError, match=r"add data.train_shards=null\)$"):
         config.check(cfg)
-

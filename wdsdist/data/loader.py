@@ -25,15 +25,14 @@ from wdsdist.data.delivery.pipeline import (
     counted_shards,
     make_eval_loader,
     resolve_shards,
+    resumed,
 )
-from wdsdist.data.options import LoaderConfig, LoaderMode, Source
-from wdsdist.data.plan.elastic import Resize, rank_state
-from wdsdist.data.plan.mix import carry_over
+from wdsdist.data.options import LoaderConfig, Source
+from wdsdist.data.plan.restore import Resize, Restored
 from wdsdist.data.plan.splits import Plan
+from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
-from wdsdist.errors import UserError
 
-STATE_FORMAT = "wdsdist-loader-v1"
 ShardSpec = str | Sequence[str] | Sequence[Shard]
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -100,27 +99,28 @@ class Loader:
         self.config = config
         self.plan: Plan | None = check_layout(self.shards, self.world, config, mix=self.mix)
         self.transform, self.group, self.mark_taken = transform, group, mark_taken
-        self.resize: Resize | None = None  # set by an elastic load_state_dict: what became of the epoch
+        self._restored: Restored | None = None  # where a resume starts (load_state_dict)
         self.steps = 0  # batches taken since the run began (carried across resumes)
-        self._seed = config.seed
-        self._state: dict | None = None  # the internal per-rank state to start from
         self._inner: RankLoader | None = None
         self._stream: Iterator[dict] | None = None  # repeat mode: one stream for every iter()
-        self._held: deque[tuple[dict, int]] = deque()  # mark_taken: (state before, steps before) per batch
+        self._held: deque[tuple[RankState, int]] = deque()  # mark_taken: (state before, steps before) per batch
         self._delivered = False  # a batch has left this loader (load_state_dict is too late then)
-        # Batches of one epoch (the one under way at an elastic resume) delivered before that resume:
-        # tied to the epoch, because a caller that stops after len() batches never ends the iterator.
-        self._before_resume, self._resume_epoch = 0, -1
 
     # ------------------------------------------------------------ iteration
 
+    @property
+    def resize(self) -> Resize | None:
+        """What an elastic ``load_state_dict`` did with the epoch under way (None: no re-split)."""
+        return self._restored.resize if self._restored is not None else None
+
     def _loader(self) -> RankLoader:
         if self._inner is None:
-            config = replace(self.config, seed=self._seed) if self._seed != self.config.seed else self.config
+            restored, config = self._restored, self.config
+            if restored is not None and restored.seed is not None:  # a reseeded stream
+                config = replace(config, seed=restored.seed)
             self._inner = RankLoader(
-                self.shards, self.rank, self.world, config, self._state, self.plan, self.transform, self.mix
+                self.shards, self.rank, self.world, config, restored, self.plan, self.transform, self.mix
             )
-            self.resize = self._inner.resize
         return self._inner
 
     def __iter__(self) -> Iterator[dict]:
@@ -133,7 +133,7 @@ class Loader:
 
     def _deliver(self, batches: Iterator[dict], inner: RankLoader) -> Iterator[dict]:
         while True:
-            before = (inner.state_dict(), self.steps) if self.mark_taken else None
+            before = (inner.state(), self.steps) if self.mark_taken else None
             batch = next(batches, None)
             if batch is None:
                 if inner.epoch_batches is None:
@@ -159,8 +159,10 @@ class Loader:
         return (inner.batches_of(epoch) or 0) + self._carried(epoch)
 
     def _carried(self, epoch: int) -> int:
-        """Batches of ``epoch`` delivered before an elastic resume (0 for every other epoch)."""
-        return self._before_resume if epoch == self._resume_epoch else 0
+        """Batches of ``epoch`` delivered before an elastic resume (0 for every other epoch): tied to
+        the epoch, because a caller that stops after len() batches never ends the iterator."""
+        restored = self._restored
+        return restored.before_resume if restored is not None and epoch == restored.resume_epoch else 0
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -195,84 +197,40 @@ class Loader:
 
     def state_dict(self) -> dict:
         """Every rank's exact position (a collective when torch.distributed runs with more than
-        one rank: call it on every rank). Small, picklable, JSON-friendly."""
+        one rank: call it on every rank), as state.LoaderState.to_dict writes it: small,
+        picklable, JSON-friendly."""
         inner = self._loader()
-        local, steps = self._held[0] if self._held else (inner.state_dict(), self.steps)
+        local, steps = self._held[0] if self._held else (inner.state(), self.steps)
         ranks: list[Any] = [None] * self.world
+        mine = local.to_dict()
         if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_gather_object(ranks, local, group=self.group)
+            torch.distributed.all_gather_object(ranks, mine, group=self.group)
         else:  # no process group: this rank's own (a same-layout resume of this rank only)
-            ranks[self.rank] = local
-        before_resume = self._carried(int(local["point"]["epoch"]))  # 0 once that epoch is over
-        return {"format": STATE_FORMAT, "ranks": ranks, "steps": steps, "before_resume": before_resume}
+            ranks[self.rank] = mine
+        return gathered(ranks, steps, self._carried(local.point.epoch))  # 0 once that epoch is over
 
     def load_state_dict(self, state: dict | list, where: str = "the loader state") -> None:
         """Resume from ``state_dict()``'s result (every rank's), before the first ``iter()``.
 
-        On the same ranks and workers the position is exact. On another layout, with
+        What is checked and what each layout gets is restore.restore's: on the same ranks and
+        workers the position is exact, batch for batch; on another layout, with
         ``split=samples``, the epoch under way is re-split exactly over the new layout (every
         sample of it once, plus the stated padding); in repeat or resampled mode with
         ``split=shards`` a fresh stream starts (reseeded: it does not replay the first
-        batches), with a warning; epoch mode with ``split=shards`` refuses (UserError).
-        ``where`` names the checkpoint in messages. A list is taken as every rank's states."""
+        batches), with a warning; other shards, other sources, another seed, and options that
+        change what the positions mean are refused (UserError, one line). ``where`` names the
+        checkpoint in messages. A list is taken as every rank's entries."""
         # Only a delivered batch makes it too late: a loader built (by len(), say) or already loaded
         # is rebuilt at the new position; Lightning loads the state the DataModule loaded before.
         if self._delivered:
             raise RuntimeError("load_state_dict() must come before the loader's first iter()")
-        if isinstance(state, list):
-            state = {"ranks": state}
-        if not isinstance(state, dict) or not state.get("ranks") or state.get("format", STATE_FORMAT) != STATE_FORMAT:
-            raise ValueError(f"{where} is not a wdsdist loader state ({STATE_FORMAT!r}: every rank's)")
-        ranks, cfg = state["ranks"], self.config
-        self._carry_mix(ranks, where)
-        self.steps = int(state.get("steps", 0))
-        workers = next(r for r in ranks if r is not None).get("workers", cfg.workers)
-        self._inner, self._stream, self._seed, self._before_resume = None, None, cfg.seed, 0
-        self._resume_epoch = int(next(r for r in ranks if r is not None).get("point", {}).get("epoch", -1))
-        if len(ranks) == self.world and workers == cfg.workers:
-            if ranks[self.rank] is None or (ranks[self.rank].get("elastic") and ranks[0] is None):
-                raise ValueError(f"{where} lacks rank {self.rank}'s position (saved without torch.distributed)")
-            self._state = rank_state(ranks, self.rank)
-            self._before_resume = int(state.get("before_resume", 0))
-            return
-        if any(r is None for r in ranks):
-            raise ValueError(
-                f"{where} holds one rank's position only (saved without torch.distributed): same layout only"
-            )
-        what = f"{len(ranks)} ranks x {workers} workers, now {self.world} x {cfg.workers}"
-        if cfg.by_samples:
-            self._state = {"resize": ranks, "checkpoint": where}
-            point = ranks[0].get("point", {})
-            self.resize = self._loader().resize
-            if self.resize is not None and self.resize.epochs and self.resize.epochs[0][0] == point.get("epoch"):
-                self._before_resume = int(ranks[0].get("batches", 0)) + int(state.get("before_resume", 0))
-            return
-        if cfg.mode == LoaderMode.epoch:
-            raise UserError(
-                f"{where} was saved with {what}: loader.mode=epoch resumes on another layout only with "
-                f"loader.split=samples (with split=shards: the same ranks and workers)"
-            )
+        saved = LoaderState.from_dict(state, where)
+        restored = resumed(saved, self.shards, self.rank, self.world, self.config, self.mix, where)
+        self._restored, self.mix, self.steps = restored, restored.mix, restored.steps
+        self._inner, self._stream = None, None
         if self.rank == 0:
-            print(
-                f"warning: {where} was saved with {what}: the loader starts a fresh, reseeded stream "
-                f"(loader.split=samples would resume it exactly)",
-                file=sys.stderr,
-            )
-        self._state, self._seed = None, cfg.seed + self.steps
-
-    def _carry_mix(self, ranks: list, where: str) -> None:
-        """Several data sets: go on with the checkpoint's mix (its origin), or with new weights
-        from the epoch it ended (a curriculum, said in one line); refuse other changes."""
-        first = next(r for r in ranks if r is not None)
-        if self.mix is None or first.get("mix_spec") is None:
-            return  # no mix on one side: the rank loader refuses it, naming which
-        boundary = all(
-            r is None or (not r.get("point", {}).get("workers") and not int(r.get("batches", 0))) for r in ranks
-        )
-        epoch = int(first.get("point", {}).get("epoch", 0))
-        self.mix, line = carry_over(first["mix_spec"], first.get("mix"), self.mix, epoch, boundary, where)
-        if line is not None and self.rank == 0:
-            print(line, file=sys.stderr, flush=True)
+            for line in restored.notes:
+                print(line, file=sys.stderr, flush=True)
 
 
 class EvalLoader:
@@ -291,8 +249,3 @@ class EvalLoader:
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self._loader)
-
-
-def is_loader_state(state: Any) -> bool:
-    """Whether ``state`` is a ``Loader.state_dict()`` result (ranks in rank order)."""
-    return isinstance(state, dict) and state.get("format") == STATE_FORMAT and bool(state.get("ranks"))

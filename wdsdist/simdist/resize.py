@@ -9,7 +9,7 @@ so 100,000 shards x 1,024 ranks stay arithmetic.
 
 Real mode runs the training loader itself: every old rank's loader for K batches, its
 ``state_dict`` as a checkpoint holds it, then every new rank's loader resumed from all of them
-(elastic.resize_state, what the trainer does), and counts the keys delivered across the resize.
+(restore.restore, what the trainer does), and counts the keys delivered across the resize.
 """
 
 from __future__ import annotations
@@ -21,16 +21,9 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from wdsdist.data.plan.resume import (
-    merge_ranges,
-    ranges_cumulative,
-    ranges_length,
-    remaining_after,
-    round_robin_progress,
-    virtual_to_real,
-    whole_epoch,
-)
-from wdsdist.data.plan.splits import rank_batches, sample_span
+from wdsdist.data.plan.resume import remaining_after, round_robin_progress
+from wdsdist.data.plan.sequence import EpochSequence, merge_ranges, ranges_length
+from wdsdist.data.plan.splits import Layout
 from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
 from wdsdist.simdist.layouts import IMAGE_SIZE
@@ -76,20 +69,16 @@ def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resiz
     settings, p = sim.settings, sim.plan
     bs, remainder, old_workers = settings.batch_size, settings.remainder, max(settings.nworkers, 1)
     workers = max(nworkers, 1)
-    epoch = whole_epoch(p.total_samples)
-    progress = [
-        w for r in range(p.world) for w in round_robin_progress(epoch, r, p.world, old_workers, bs, remainder, at)
-    ]
+    epoch = EpochSequence.of(p.total_samples)
+    old = Layout(p.world, old_workers, bs, remainder)
+    progress = [w for r in range(p.world) for w in round_robin_progress(epoch, old, r, at)]
     left = remaining_after(epoch, progress)
-    m = ranges_length(left)
-    cumulative = ranges_cumulative(left)
-    per_rank = rank_batches(m, size, bs, remainder)
-    old_real = [(a, b) for w in progress for lo, hi in w.consumed() for a, b, _ in virtual_to_real(epoch, lo, hi)]
-    new_real = []
-    for rank in range(size):
-        for worker in range(workers):
-            lo, hi = sample_span(rank, size, worker, workers, bs, per_rank)
-            new_real += [(a, b) for a, b, _ in virtual_to_real(left, lo, hi, cumulative)]
+    m = left.length
+    new = Layout(size, workers, bs, remainder)
+    per_rank = left.batches(new)
+    old_real = [run for w in progress for lo, hi in w.consumed() for run in epoch.real(lo, hi)]
+    spans = [left.span(new, rank, worker) for rank in range(size) for worker in range(workers)]
+    new_real = [run for lo, hi in spans for run in left.real(lo, hi)]
     unique = ranges_length(merge_ranges(old_real + new_real))
     consumed = sum(w.done - w.start for w in progress)
     return Resize(
@@ -98,7 +87,7 @@ def simulate_resize(sim: Simulation, at: int, size: int, nworkers: int) -> Resiz
         nworkers=workers,
         consumed=consumed,
         remaining=m,
-        ranges=len(left),
+        ranges=len(left.ranges),
         after=[RankEpoch({bs: per_rank} if per_rank else {}) for _ in range(size)],
         total=p.total_samples,
         delivered=consumed + size * per_rank * bs,
@@ -111,7 +100,8 @@ def simulate_resize_real(
 ) -> Resize:
     """The resize with the training loader: old ranks' loaders for ``at`` batches, then the new
     layout's loaders resumed from their states, one rank after another; coverage by keys."""
-    from wdsdist.data.delivery.pipeline import RankLoader, check_layout
+    from wdsdist.data.delivery.pipeline import RankLoader, check_layout, resumed
+    from wdsdist.data.plan.state import LoaderState
     from wdsdist.errors import DataError
 
     _check(sim, at)
@@ -128,18 +118,19 @@ def simulate_resize_real(
             for rank in range(sim.settings.size):
                 loader = RankLoader(counted, rank, sim.settings.size, config, None, sim.plan)
                 keys.update(k for batch in itertools.islice(iter(loader), at) for k in batch["key"])
-                states.append(loader.state_dict())
+                states.append(loader.state())
                 del loader
                 gc.collect()  # this rank's workers end before the next rank's start
             consumed = sum(keys.values())
+            saved = LoaderState(tuple(states))
             for rank in range(size):
-                state = {"resize": states, "checkpoint": "the checkpoint"}
-                loader = RankLoader(counted, rank, size, new_config, state, new_plan)
+                restored = resumed(saved, counted, rank, size, new_config)
+                loader = RankLoader(counted, rank, size, new_config, restored, new_plan)
                 resize = loader.resize
                 if resize is None or resize.start != 0:  # the epoch's end: nothing of it remains
                     after.append(RankEpoch({}))
                     continue
-                ranges = len(loader.elastic.get(0, whole_epoch(sim.layout.total)))
+                ranges = len(loader.elastic.get(0, ((0, sim.layout.total),)))
                 remaining = resize.remaining if resize.epochs else sim.layout.total
                 sizes: Counter[int] = Counter()
                 for batch in loader:

@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import webdataset as wds
@@ -57,11 +57,14 @@ from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig, Split
-from wdsdist.data.plan.elastic import SHARED, Resize, counts_digest, resize_state
-from wdsdist.data.plan.mix import Mix, epoch_total, same_mix
-from wdsdist.data.plan.order import GLOBAL, NodeOrder, node_order, order_nodes
-from wdsdist.data.plan.resume import ConsumedTracker, Ranges, ResumePoint, ranges_length
+from wdsdist.data.plan import seeds
+from wdsdist.data.plan.mix import Mix, epoch_total
+from wdsdist.data.plan.order import order_nodes, shuffled
+from wdsdist.data.plan.restore import Restored, options_of, restore
+from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint
+from wdsdist.data.plan.sequence import ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
+from wdsdist.data.plan.state import LoaderState, MixState, RankState, counts_digest
 from wdsdist.data.sources import cache, opener, shardspec
 from wdsdist.data.sources.index import count_samples
 from wdsdist.data.sources.shardspec import Shard
@@ -71,133 +74,60 @@ from wdsdist.errors import UserError
 
 
 class EpochShuffle:
-    """WebDataset's shuffle stage with a seeded generator that changes every epoch."""
+    """The cross-worker shuffle: the loader's sample shuffle (order.shuffled), with a generator
+    that changes every epoch (each iteration of the rank's loader)."""
 
-    def __init__(self, bufsize: int, seed: str):
-        self.bufsize, self.seed, self.epoch = bufsize, seed, -1
+    def __init__(self, bufsize: int, seed: int, rank: int):
+        self.bufsize, self.seed, self.rank, self.epoch = bufsize, seed, rank, -1
 
     def __call__(self, source: Iterator) -> Iterator:
         self.epoch += 1
-        rng = random.Random(f"{self.seed}:{self.epoch}")
-        return wds.filters.shuffle(self.bufsize, min(self.bufsize, 100), rng=rng)(source)
+        return shuffled(source, self.bufsize, seeds.cross_shuffle(self.seed, self.rank, self.epoch))
 
 
 class RankLoader:
-    """One rank's loader: iterate it for batches; ``state_dict`` is its exact position.
+    """One rank's loader: iterate it for batches; ``state`` is its exact position.
 
     In epoch mode each ``iter()`` is one epoch of ``plan.nbatches`` batches (every rank the
     same); in repeat and resampled mode ``iter()`` never ends and the trainer counts steps.
+    ``restored``: where a resume starts (restore.restore's answer; None: at the beginning).
     """
 
-    # One long method: the loader's stages in the order a batch passes them (the
-    # diagram in this module's docstring), each a line or two; the elastic state is read first.
     def __init__(
         self,
         shards: Sequence[Shard],
         rank: int,
         world: int,
         cfg: LoaderConfig,
-        state: dict | None = None,
+        restored: Restored | None = None,
         plan_: Plan | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         mix: Mix | None = None,
     ):
-        if cfg.train and cfg.decode_region:
-            lib = jpegcrop.load()  # built here, once, before the workers start
-            if isinstance(lib, str):
-                if rank == 0:
-                    print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
-                cfg = replace(cfg, decode_region=False)
-        if cfg.cache_dir is not None:
-            # The folder made ready once here, before the workers start: one that cannot be used
-            # is one warning line per rank, not one per worker, and the workers share this limit.
-            limit = cache.prepare(cfg.cache_dir, cfg.cache_limit)
-            cfg = replace(cfg, cache_dir=None if limit is None else cfg.cache_dir, cache_limit=limit)
-        self.cfg, self.rank, self.world, self.plan = cfg, rank, world, plan_
+        cfg = ready_config(cfg, rank)
+        restored = restored or Restored()
+        self.cfg, self.rank, self.world, self.plan, self.mix = cfg, rank, world, plan_, mix
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
-        self.mix = mix
-        self.resize: Resize | None = None
-        same_layout = bool(state) and "resize" not in state
-        if state:
-            same_mix(state["resize"][0] if "resize" in state else state, mix, state.get("checkpoint", "the checkpoint"))
-        if state and "resize" in state:
-            # Every old rank's state, from a checkpoint of another layout: re-split here, where
-            # the shards' counts are known (the same result on every rank).
-            if self.counts is None:
-                raise UserError(
-                    f"{state.get('checkpoint', 'the checkpoint')} was saved on another layout: only "
-                    f"loader.split=samples resumes on another layout"
-                )
-            totals = None if mix is None else functools.partial(epoch_total, mix)
-            state, self.resize = resize_state(
-                state["resize"], rank, world, cfg, self.counts, state.get("checkpoint", "the checkpoint"), totals
-            )
-        elif state and state.get("workers", cfg.workers) != cfg.workers:
-            raise UserError(
-                f"loader state was saved with {state['workers']} workers, now {cfg.workers}: "
-                f"resume with the same trainer.workers (or, with loader.split=samples, from every rank's state)"
-            )
-        if state and state.get("elastic") == SHARED:
-            raise ValueError("a loader state without its epoch's ranges: take it through elastic.rank_state")
-        point = ResumePoint.from_state(state["point"]) if state else None
-        # split=samples, epochs resumed on another layout: the positions of the epoch still to
-        # deliver (resume.py), re-split over this layout; other epochs are whole.
-        self.elastic: dict[int, Ranges] = {
-            int(e): tuple((int(a), int(b)) for a, b in r) for e, r in ((state or {}).get("elastic") or {}).items()
-        }
-        # split=samples: epoch -> the node blocks of the shard order it began in, where that is
-        # not this layout's (loader.shard_order=node, resumed on another node count): an epoch
-        # in flight keeps its order, since its positions name samples through it.
-        self.orders: dict[int, NodeOrder] = {
-            int(e): (int(o[0]), int(o[1])) for e, o in ((state or {}).get("orders") or {}).items()
-        }
-        saved_order = tuple(int(n) for n in (state or {}).get("order", GLOBAL))
-        own = GLOBAL
-        if self.counts is not None:
-            own = node_order(cfg.shard_order, sum(self.counts), world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
-        if same_layout and point is not None and saved_order != own:
-            for epoch in {point.epoch, *(e for epochs in point.workers.values() for e in epochs)}:
-                self.orders.setdefault(epoch, saved_order)  # type: ignore[arg-type]
-        self.tracker = ConsumedTracker(point.epoch if point else 0)
-        if point is not None:
-            self.tracker.load(point, int(state.get("batches", 0)))
-        nw = cfg.workers
+        self.nshards = len(shards)
+        self.resize = restored.resize
+        self.elastic = restored.elastic  # epochs re-split on resume: their positions still to deliver
+        self.tracker = ConsumedTracker(restored.point.epoch if restored.point else 0)
+        if restored.point is not None:
+            self.tracker.load(restored.point, restored.batches)
+        self.turn = restored.turn  # the worker whose batch comes next (the DataLoader's turn)
         shared = None
-        if nw > 0 and cfg.reuse_buffers:
+        if cfg.workers > 0 and cfg.reuse_buffers:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
             # Region-decoded images come out H x W x C in memory: batches keep that layout.
-            shared = SharedBatches(nw, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
+            shared = SharedBatches(cfg.workers, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
         # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
-        warm = nw > 1 and cfg.warm_start and cfg.train and cfg.decode_region
+        warm = cfg.workers > 1 and cfg.warm_start and cfg.train and cfg.decode_region
         gate = multiprocessing.get_context().Event() if warm else None
-        self.dataset = ShardStream(
-            shards, rank, world, cfg, point, shared, self.elastic, gate, transform, self.orders, mix
-        )
-        loader = wds.WebLoader(
-            self.dataset,
-            batch_size=None,
-            num_workers=nw,
-            persistent_workers=nw > 0,
-            prefetch_factor=cfg.prefetch if nw > 0 else None,
-            # With shared buffers, the batches are copied into pinned memory as they are claimed.
-            pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch,
-            worker_init_fn=worker_init if nw > 0 else None,
-            collate_fn=as_is,
-        )
-        if cfg.rebatch:
-            loader = loader.compose(functools.partial(unbatch_samples, shared=shared, gate=gate))
-            loader = loader.compose(EpochShuffle(cfg.cross_shuffle, f"{cfg.seed}:{rank}:cross"))
-            collation = functools.partial(collate_samples, pin_memory=cfg.pin_memory)
-            loader = loader.batched(cfg.batch_size, collation_fn=collation, partial=cfg.partial)
-        else:
-            finish = functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory, gate=gate)
-            loader = loader.compose(finish)
+        self.dataset = ShardStream(shards, rank, world, cfg, restored, shared, gate, transform, mix)
+        self.loader = batch_stages(self.dataset, cfg, rank, shared, gate)
         self.plan_batches: int | None = None  # epoch mode: batches of a whole epoch (None: to the data's end)
         if cfg.mode == "epoch":
             self.plan_batches = plan_.ranks[rank].batches if plan_ is not None else None
-        else:
-            loader = loader.repeat()
-        self.loader = loader
 
     def batches_of(self, epoch: int) -> int | None:
         """Epoch mode: the batches every rank delivers in ``epoch`` (an elastic epoch's own count,
@@ -215,16 +145,19 @@ class RankLoader:
         return self.batches_of(self.tracker.epoch)
 
     def __iter__(self) -> Iterator[dict]:
+        nworkers = max(self.cfg.workers, 1)
         if self.epoch_batches is None:
             for batch in self.loader:
                 self.tracker.update(batch["id"], batch.get("skipped"))
+                self.turn = (self.turn + 1) % nworkers
                 yield self._with_sources(batch)
             return
         if self.tracker.batches >= self.epoch_batches:
-            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
+            self.tracker, self.turn = ConsumedTracker(self.tracker.epoch + 1), 0
         remaining = self.epoch_batches - self.tracker.batches
         for i, batch in enumerate(self.loader):
             self.tracker.update(batch["id"], batch.get("skipped"))
+            self.turn = (self.turn + 1) % nworkers
             yield self._with_sources(batch)
             if i + 1 >= remaining:
                 break
@@ -245,46 +178,76 @@ class RankLoader:
         """Epoch mode: end this epoch here, before its planned length (another rank ran out after
         skipping bad data, and ranks must stay in step); the next ``iter()`` starts the next one."""
         if self.epoch_batches is not None:
-            self.tracker = ConsumedTracker(self.tracker.epoch + 1)
+            self.tracker, self.turn = ConsumedTracker(self.tracker.epoch + 1), 0
+
+    def state(self) -> RankState:
+        """The loader's exact position and what it means (state.RankState)."""
+        point, batches, turn = self.tracker.point(), self.tracker.batches, self.turn
+        if self.epoch_batches is not None and batches >= self.epoch_batches:
+            point, batches, turn = ResumePoint(point.epoch + 1), 0, 0
+        # Repeat mode: once every worker stands in a later epoch, the ones before it are over for
+        # all of them, and a resume (on this layout or another) starts there.
+        opened = [e for epochs in point.workers.values() for e in epochs]
+        if len(point.workers) >= max(self.cfg.workers, 1) and min(opened) > point.epoch:
+            point = ResumePoint(min(opened), point.workers, point.runs)
+        data: dict = {"shards": self.nshards}
+        if self.counts is not None:
+            data |= {"samples": sum(self.counts), "counts": counts_digest(self.counts), "order": self.dataset.order}
+            # An epoch re-split on resume stays as long as a worker may still stand in it.
+            data["elastic"] = {e: r for e, r in self.elastic.items() if e >= point.epoch}
+            data["orders"] = {e: o for e, o in self.dataset.orders.items() if e >= point.epoch}
+        if self.mix is not None:
+            data["mix"] = MixState(self.mix.digest(), self.mix.describe(), self.mix.spec())
+        return RankState(self.rank, self.world, self.cfg.workers, point, batches, turn, **options_of(self.cfg), **data)
 
     def state_dict(self) -> dict:
-        """The loader's exact position, small and JSON-friendly, for checkpoints."""
-        point = self.tracker.point()
-        batches = self.tracker.batches
-        if self.epoch_batches is not None and batches >= self.epoch_batches:
-            point, batches = ResumePoint(point.epoch + 1), 0
-        state = {
-            "point": point.state(),
-            "batches": batches,
-            "workers": self.cfg.workers,
-            "rank": self.rank,
-            "world": self.world,
-            # What an elastic resume needs to rebuild this layout's spans and replay its shuffles.
-            "batch_size": self.cfg.batch_size,
-            "split": "samples" if self.cfg.by_samples else "shards",
-            "remainder": str(self.cfg.remainder),
-            "shuffle_buffer": self.cfg.shuffle_buffer,
-            "seed": self.cfg.seed,
-        }
-        if self.mix is not None:
-            state["mix"], state["sources"], state["mix_spec"] = self.mix.digest(), self.mix.describe(), self.mix.spec()
-        if self.counts is not None:
-            state["samples"], state["counts"] = sum(self.counts), counts_digest(self.counts)
-            # An epoch under way that was re-split on resume: a later resume (same layout or not)
-            # goes on from its positions, not the whole epoch's. In repeat mode an epoch stays
-            # until every worker has moved past it.
-            epochs = [entry[0] for entry in self.tracker.open.values()]
-            low = max(point.epoch, min(epochs) if len(epochs) >= max(self.cfg.workers, 1) else point.epoch)
-            elastic = {str(e): [list(r) for r in ranges] for e, ranges in self.elastic.items() if e >= low}
-            orders = {str(e): list(o) for e, o in self.orders.items() if e >= low}
-            state["order"] = list(self.dataset.order)  # what this layout's shard order keeps blocks by
-            if orders:
-                state["orders"] = orders
-            if elastic:
-                # The same on every rank, and as long as the shuffle buffers' pending items: one
-                # copy per checkpoint (elastic.rank_state puts it back in the others').
-                state["elastic"] = elastic if self.rank == 0 else SHARED
-        return state
+        """``state()`` as a small, JSON-friendly dict (this rank's entry of a loader state)."""
+        return self.state().to_dict()
+
+
+def ready_config(cfg: LoaderConfig, rank: int) -> LoaderConfig:
+    """The config with what this machine cannot do turned off, said once per rank: region decode
+    without the jpegcrop library (built here, once, before the workers start), and a cache folder
+    that cannot be used. The folder is made ready here, so the workers share its limit."""
+    if cfg.train and cfg.decode_region:
+        lib = jpegcrop.load()
+        if isinstance(lib, str):
+            if rank == 0:
+                print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
+            cfg = replace(cfg, decode_region=False)
+    if cfg.cache_dir is not None:
+        limit = cache.prepare(cfg.cache_dir, cfg.cache_limit)
+        cfg = replace(cfg, cache_dir=None if limit is None else cfg.cache_dir, cache_limit=limit)
+    return cfg
+
+
+def batch_stages(
+    dataset: ShardStream, cfg: LoaderConfig, rank: int, shared: SharedBatches | None, gate: Any | None
+) -> wds.WebLoader:
+    """The rank's DataLoader over its stream, and what the main process does to each batch: the
+    cross-worker shuffle and re-batching, or finishing the workers' batches; repeated without
+    end outside epoch mode."""
+    nw = cfg.workers
+    loader = wds.WebLoader(
+        dataset,
+        batch_size=None,
+        num_workers=nw,
+        persistent_workers=nw > 0,
+        prefetch_factor=cfg.prefetch if nw > 0 else None,
+        # With shared buffers, the batches are copied into pinned memory as they are claimed.
+        pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch,
+        worker_init_fn=worker_init if nw > 0 else None,
+        collate_fn=as_is,
+    )
+    if cfg.rebatch:
+        loader = loader.compose(functools.partial(unbatch_samples, shared=shared, gate=gate))
+        loader = loader.compose(EpochShuffle(cfg.cross_shuffle, cfg.seed, rank))
+        collation = functools.partial(collate_samples, pin_memory=cfg.pin_memory)
+        loader = loader.batched(cfg.batch_size, collation_fn=collation, partial=cfg.partial)
+    else:
+        finish = functools.partial(finish_batches, shared=shared, pin_memory=cfg.pin_memory, gate=gate)
+        loader = loader.compose(finish)
+    return loader if cfg.mode == "epoch" else loader.repeat()
 
 
 # ---------------------------------------------------------------- startup: plan and check
@@ -391,13 +354,36 @@ def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfi
     return shards
 
 
+def resumed(
+    state: LoaderState,
+    shards: Sequence[Shard],
+    rank: int,
+    world: int,
+    cfg: LoaderConfig,
+    mix: Mix | None = None,
+    where: str = "the loader state",
+) -> Restored:
+    """restore.restore for these shards (their counts, where split=samples has them)."""
+    counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else shardspec.sample_counts(shards)
+    return restore(state, rank, world, cfg, counts, len(shards), mix, where)
+
+
 def make_loader(
-    spec: str | Sequence[str] | Sequence[Shard], rank: int, world: int, cfg: LoaderConfig, state: dict | None = None
+    spec: str | Sequence[str] | Sequence[Shard],
+    rank: int,
+    world: int,
+    cfg: LoaderConfig,
+    state: dict | list | None = None,
+    where: str = "the loader state",
 ) -> RankLoader:
-    """Expand the spec, check the layout, and build rank ``rank``'s loader."""
+    """Expand the spec, check the layout, and build rank ``rank``'s loader, resumed from ``state``
+    (what state.LoaderState.from_dict reads: every rank's entries, or one rank's alone)."""
     shards = counted_shards(resolve_shards(spec, cfg), cfg)
     p = check_layout(shards, world, cfg)
-    return RankLoader(shards, rank, world, cfg, state, p)
+    restored = None
+    if state is not None:
+        restored = resumed(LoaderState.from_dict(state, where), shards, rank, world, cfg, where=where)
+    return RankLoader(shards, rank, world, cfg, restored, p)
 
 
 def make_eval_loader(

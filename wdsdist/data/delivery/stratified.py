@@ -21,51 +21,70 @@ def quotas(shares: Sequence[float], carry: list[float], size: int) -> list[int]:
     return want
 
 
+class _Epoch:
+    """One epoch's rows of a worker, sorted into one queue per source as they are pulled."""
+
+    def __init__(self, rows: Iterator[tuple], first: tuple, stream: Any, made: int):
+        self.rows, self.ahead = rows, first  # ``ahead``: the next row, not queued yet
+        self.epoch, self.made = first[2][0], made
+        self.mixed = stream.mix_epoch(self.epoch)
+        self.queues: list[deque] = [deque() for _ in stream.mix.sources]
+        self.carry = [0.0] * len(self.queues)
+        self.ended = False  # every row of the epoch is queued
+
+    def pull(self) -> bool:
+        """Queue the next row of this epoch; False once there is none (the next is a later epoch's)."""
+        row = self.ahead
+        if self.ended or row is None or row[2][0] != self.epoch:
+            self.ended = True
+            return False
+        self.queues[int(self.mixed.sources(row[2][3]))].append(row)
+        self.ahead = next(self.rows, None)
+        return True
+
+
 def stratified(
-    rows: Iterator[tuple], stream: Any, size: int, collation: Callable, partial: bool, cap: int
+    rows: Iterator[tuple], stream: Any, size: int, collation: Callable, partial: bool, cap: int, made_before: dict
 ) -> Iterator[dict]:
     """loader.mix=stratified: the worker's n-th batch of an epoch holds as many rows of each
     source as the n-th batch of its span of the mixed sequence (ShardStream.stripes: each
     source's share, rounded), taken from its shuffled rows sorted into one queue per source.
     Where a queue runs dry (its rows failed, or a resumed epoch left other counts) or rows wait
     past ``cap``, the batch is made up from the other queues, and later batches follow the
-    epoch's shares. ``stream``: the worker's ShardStream (its mix, epochs and stripes)."""
-    queues: list[deque] = [deque() for _ in stream.mix.sources]  # type: ignore[union-attr]
-    carry = [0.0] * len(queues)
+    epoch's shares. A batch never mixes epochs: the rows an epoch's shares left over are its
+    last batches, before the next epoch's (in repeat mode too), which is what the loader's
+    position assumes (resume.ConsumedTracker). ``stream``: the worker's ShardStream (its mix,
+    epochs and stripes); ``made_before``: epoch -> the batches a resumed worker had made of it
+    (their rows are passed over, so its next batch is that stretch's)."""
     rows = iter(rows)
-    ended, epoch, made = False, None, 0
+    first = next(rows, None)
+    while first is not None:
+        epoch = _Epoch(rows, first, stream, made_before.get(first[2][0], 0))
+        for batch in _batches(epoch, stream, size, cap):
+            if len(batch) < size and not partial:
+                return
+            yield collation(batch)
+        first = epoch.ahead
 
-    def pull() -> bool:
-        nonlocal epoch, made
-        row = next(rows, None)
-        if row is None:
-            return False
-        if row[2][0] != epoch:
-            epoch, made = row[2][0], 0
-        queues[int(stream.mix_epoch(epoch).sources(row[2][3]))].append(row)
-        return True
 
-    ended = not pull()
-    while not ended or any(queues):
-        if not any(queues):
-            ended = not pull()
-            continue
-        plan = stream.stripes.get(epoch)
-        if plan is not None and made < len(plan) and sum(plan[made]) == size:
-            want = list(plan[made])
+def _batches(epoch: _Epoch, stream: Any, size: int, cap: int) -> Iterator[list]:
+    """One epoch's batches, each to its stretch's counts where the rows allow."""
+    queues = epoch.queues
+    while any(queues) or epoch.pull():
+        plan = stream.stripes.get(epoch.epoch)
+        if plan is not None and epoch.made < len(plan) and sum(plan[epoch.made]) == size:
+            want = list(plan[epoch.made])
         else:
-            mixed = stream.mix_epoch(epoch)
-            want = quotas([n / mixed.total for _, n in mixed.windows], carry, size)
-        while not ended and sum(map(len, queues)) < cap and any(len(q) < w for q, w in zip(queues, want, strict=True)):
-            ended = not pull()
+            shares = [n / epoch.mixed.total for _, n in epoch.mixed.windows]
+            want = quotas(shares, epoch.carry, size)
+        while sum(map(len, queues)) < cap and any(len(q) < w for q, w in zip(queues, want, strict=True)):
+            if not epoch.pull():
+                break
         take = [min(len(q), w) for q, w in zip(queues, want, strict=True)]
         short = size - sum(take)
         for i in sorted(range(len(queues)), key=lambda i: take[i] - len(queues[i])):
             extra = min(short, len(queues[i]) - take[i])
             take[i] += extra
             short -= extra
-        batch = [q.popleft() for q, n in zip(queues, take, strict=True) for _ in range(n)]
-        if len(batch) < size and not partial:
-            return
-        made += 1
-        yield collation(batch)
+        epoch.made += 1
+        yield [q.popleft() for q, n in zip(queues, take, strict=True) for _ in range(n)]

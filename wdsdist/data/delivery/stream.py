@@ -2,19 +2,21 @@
 every epoch, read, shuffled, decoded and batched (the first half of pipeline.py's diagram).
 
 With loader.split=samples a worker reads its span of the epoch's sample sequence instead
-(splits.sample_span over the shards in the epoch's order, order.epoch_order: one order of all
-shards, or with loader.shard_order=node each node's own shards first), starting and stopping mid-shard
-through spanread.read_span. Every sample's id then carries its position in that sequence
-(``batch["pos"]``: the sample is position mod N; from N on it is padding, a sample again). In an
-epoch re-split by an elastic resume (resume.py, elastic.py) the worker's span is of the epoch's
-remaining positions, and positions stay the epoch's own: real ones, plus N for padding.
+(sequence.EpochSequence: the epoch's positions, or those an elastic resume left of it, padded to
+equal batches), each position through the epoch's shard order (sequence.EpochShards; with
+loader.shard_order=node each node's own shards first) or, for several data sets, the mix's
+sources (mix.MixEpoch), starting and stopping mid-shard through spanread.read_span. Every
+sample's id then carries its tag (``batch["pos"]``): its position in the epoch, plus N where it
+is padding (the sample at position tag mod N again).
+
+After a resume each worker plays the part of the worker whose turn it was (``turn``): the
+DataLoader asks its worker 0 first, and the uninterrupted run would have asked that one.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -32,10 +34,12 @@ from wdsdist.data.delivery.stratified import quotas, stratified
 from wdsdist.data.delivery.warmstart import WarmStart, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
+from wdsdist.data.plan import seeds
 from wdsdist.data.plan.mix import Mix, MixEpoch
-from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order
-from wdsdist.data.plan.resume import Ranges, ResumePoint, ranges_length, resplit_pieces, resplit_positions
-from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces, split_by_rank, split_by_worker
+from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order, shuffled
+from wdsdist.data.plan.restore import Restored
+from wdsdist.data.plan.sequence import EpochSequence, EpochShards, tags
+from wdsdist.data.plan.splits import Layout, split_by_rank, split_by_worker
 from wdsdist.data.sources.ahead import ReadAhead
 from wdsdist.data.sources.opener import open_shard
 from wdsdist.data.sources.retry import StoreDown, describe
@@ -144,12 +148,10 @@ class ShardStream(IterableDataset):
         rank: int,
         world: int,
         cfg: LoaderConfig,
-        resume: ResumePoint | None = None,
+        restored: Restored | None = None,
         shared: SharedBatches | None = None,
-        elastic: dict[int, Ranges] | None = None,
         gate: Any | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        orders: dict[int, NodeOrder] | None = None,
         mix: Mix | None = None,
     ):
         super().__init__()
@@ -159,10 +161,15 @@ class ShardStream(IterableDataset):
         if cfg.by_samples and any(s.nsamples is None for s in self.all_shards):
             first = next(s.url for s in self.all_shards if s.nsamples is None)
             raise DataError(f"loader.split=samples needs every shard's sample count, and {first} has none")
-        self.resume = resume
-        self.shared = shared  # used in DataLoader workers only
-        self.elastic = elastic or {}  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
+        restored = restored or Restored()
+        self.resume = restored.point  # where each worker stands, for its first iter() only
+        # The DataLoader takes batches from its workers in turn, from its worker 0: after a
+        # resume the worker whose turn it was plays worker 0's part (every worker's role moves
+        # by ``turn``), for the resumed iteration: the whole run in repeat mode, one epoch in epoch mode.
+        self.turn = restored.turn
+        self.elastic = restored.elastic  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
         self.epoch = -1  # the last epoch begun, in each worker
+        self.shared = shared  # used in DataLoader workers only
         self.gate = gate  # loader.warm_start: set when worker 0's first batch is made (warmstart.py)
         self.warmed = False  # in each worker: its first batch was begun
         self.transform = transform  # the caller's, on each training image after its crop and flip
@@ -172,7 +179,7 @@ class ShardStream(IterableDataset):
         if cfg.by_samples:
             total = sum(s.nsamples or 0 for s in self.all_shards)
             self.order = node_order(cfg.shard_order, total, world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
-        self.orders = orders or {}
+        self.orders = restored.orders
         self.blocks: dict[NodeOrder, tuple[tuple[int, ...], ...]] = {}  # made once per order
         self.mix = mix  # several data sets (plan/mix.py): the epoch's sequence interleaves their windows
         self.mixed: MixEpoch | None = None  # the last epoch's, in each worker
@@ -189,7 +196,7 @@ class ShardStream(IterableDataset):
         """The worker's shard URLs for this epoch, one list per pass (``dsrepeat`` passes)."""
         cfg = self.cfg
         if cfg.mode == "resampled":
-            rng = random.Random(f"{cfg.seed}:{epoch}:{self.rank}:{worker}")
+            rng = seeds.resampled(cfg.seed, epoch, self.rank, worker)
             return [(rng.choice(self.all_shards).url for _ in itertools.count())]
         mine = split_by_worker(self.rank_shards, worker, nworkers)
         if not mine:
@@ -197,64 +204,51 @@ class ShardStream(IterableDataset):
         order = [s.url for s in shard_order(mine, cfg.seed, epoch, cfg.dsrepeat)]
         return [order[k * len(mine) : (k + 1) * len(mine)] for k in range(cfg.dsrepeat)]
 
-    def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
-        """split=samples: the raw samples of this worker's span of the epoch's sample sequence,
-        each marked with its position in it; a position the read did not deliver (the shard
-        failed, or held fewer samples than its count) comes as a FAILED placeholder."""
+    def sequence(self, epoch: int) -> tuple[EpochSequence, EpochShards | MixEpoch]:
+        """The epoch's sequence as this rank's layout reads it, and where its positions read from:
+        one data set's shards in the epoch's order, or the mix's sources."""
         if self.mix is not None:
-            yield from self._mixed_span(worker, nworkers, epoch, bad)
-            return
-        cfg, shards = self.cfg, self.all_shards
+            mixed = self.mix_epoch(epoch)
+            return EpochSequence.of(mixed.total, self.elastic.get(epoch), mixed.padding), mixed
+        counts = [s.nsamples or 0 for s in self.all_shards]
         key = self.orders.get(epoch, self.order)
         if key not in self.blocks:
-            self.blocks[key] = node_blocks([s.nsamples or 0 for s in shards], key, cfg.seed)
-        order = epoch_order(self.blocks[key], cfg.seed, epoch)
-        cumulative = list(itertools.accumulate((shards[i].nsamples or 0 for i in order), initial=0))
-        pieces = self._pieces(cumulative, worker, nworkers, epoch)
-        ahead = ReadAhead(pieces, lambda piece: shards[order[piece[0]]].url, cfg.access, cfg.cache_ahead)
-        for slot, first, last, position in ahead:
-            shard = shards[order[slot]]
-            got, read = 0, functools.partial(self._read_piece, shard, first, last)
-            for sample in self._read_guarded(shard.url, read, worker, bad, ahead.opened):
-                sample[POSITION] = position + got
-                got += 1
-                yield sample
-            for i in range(got, last - first):
-                yield {POSITION: position + i, FAILED: True}
+            self.blocks[key] = node_blocks(counts, key, self.cfg.seed)
+        shards = EpochShards(counts, epoch_order(self.blocks[key], self.cfg.seed, epoch))
+        return EpochSequence.of(shards.total, self.elastic.get(epoch)), shards
 
-    def _mixed_span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
-        """_span for several data sets: the worker's positions of the mixed sequence, in order,
-        each read from its source's stream. A source's part of the span is a run of its window,
-        read shard after shard by a reader of its own, so a worker holds one shard open per source."""
-        cfg, mixed = self.cfg, self.mix_epoch(epoch)
-        total = mixed.total
-        ranges = self.elastic.get(epoch)
-        if ranges is None:
-            batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
-            start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
-            real = np.arange(start, min(stop, total))
-            again = mixed.padding(max(0, stop - total))[max(start, total) - total :]  # the padding's slots
-            spots, tags = np.concatenate((real, again)), np.concatenate((real, again + total))
-        else:
-            _, runs = resplit_positions(ranges, self.rank, self.world, worker, nworkers, cfg.batch_size, cfg.remainder)
-            past = ranges_length(ranges)
-            spots = np.concatenate([np.arange(a, b) for a, b, _ in runs] or [np.zeros(0, np.int64)])
-            tags = np.concatenate([np.arange(a, b) + total * (v >= past) for a, b, v in runs] or [spots])
-        sources, pieces = mixed.reads(spots)
-        if cfg.mix == "stratified":
-            width, size = len(self.mix.sources), cfg.batch_size  # type: ignore[union-attr]
-            if ranges is None:  # whole batches of the sequence: its stretches
-                batches = sources[: len(sources) // size * size].reshape(-1, size)
-                self.stripes = {epoch: [np.bincount(b, minlength=width).tolist() for b in batches]}
-            else:  # a re-split epoch's batches are not stretches: the worker's own shares, rounded
-                shares = (np.bincount(sources, minlength=width) / max(len(sources), 1)).tolist()
-                carry = [0.0] * width
-                self.stripes = {epoch: [quotas(shares, carry, size) for _ in range(len(sources) // size)]}
+    def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
+        """split=samples: the raw samples of this worker's span of the epoch's sequence, in order,
+        each marked with its tag (its position; plus N for the padding); a position its read did
+        not deliver (the shard failed, or held fewer samples than its count) comes as a FAILED
+        placeholder. Each source is read shard after shard by a reader of its own, so a worker
+        holds one shard open per source."""
+        cfg = self.cfg
+        sequence, where = self.sequence(epoch)
+        layout = Layout(self.world, nworkers, cfg.batch_size, str(cfg.remainder))
+        runs = sequence.runs(*sequence.span(layout, self.rank, worker))
+        sources, pieces = where.reads(runs)
+        if sources is not None and cfg.mix == "stratified":
+            self._stripe(epoch, sources, whole=epoch not in self.elastic)
         readers = [self._source_samples(p, worker, bad) for p in pieces]
-        for source, tag in zip(sources.tolist(), tags.tolist(), strict=True):
+        which = itertools.repeat(0) if sources is None else sources.tolist()
+        for tag, source in zip(tags(runs), which, strict=False):  # which: endless for one source
             sample = next(readers[source])
             sample[POSITION] = tag
             yield sample
+
+    def _stripe(self, epoch: int, sources: np.ndarray, whole: bool) -> None:
+        """loader.mix=stratified: each source's rows in each batch of this worker's span."""
+        width, size = len(self.mix.sources), self.cfg.batch_size  # type: ignore[union-attr]
+        # kept for the epoch before too: its batches may still be made as this one is read
+        self.stripes = {e: plan for e, plan in self.stripes.items() if e == epoch - 1}
+        if whole:  # whole batches of the sequence: its stretches
+            batches = sources[: len(sources) // size * size].reshape(-1, size)
+            self.stripes[epoch] = [np.bincount(b, minlength=width).tolist() for b in batches]
+        else:  # a re-split epoch's batches are not stretches: the worker's own shares, rounded
+            shares = (np.bincount(sources, minlength=width) / max(len(sources), 1)).tolist()
+            carry = [0.0] * width
+            self.stripes[epoch] = [quotas(shares, carry, size) for _ in range(len(sources) // size)]
 
     def _source_samples(self, pieces: list[tuple[int, int, int]], worker: int, bad: list) -> Iterator[dict]:
         """One source's samples of these (shard, first, stop) pieces, a FAILED placeholder for each
@@ -269,28 +263,6 @@ class ShardStream(IterableDataset):
                 yield sample
             for _ in range(got, last - first):
                 yield {FAILED: True}
-
-    def _pieces(
-        self, cumulative: list[int], worker: int, nworkers: int, epoch: int
-    ) -> Iterable[tuple[int, int, int, int]]:
-        """(slot, first, stop, position of the first) pieces of this worker's span. A position is
-        the sample's in the epoch's sequence, plus N where it is padding (a sample again); in an
-        epoch re-split on resume (``self.elastic``), the span is of its remaining positions."""
-        cfg, total = self.cfg, cumulative[-1]
-        ranges = self.elastic.get(epoch)
-        if ranges is None:
-            batches = rank_batches(total, self.world, cfg.batch_size, cfg.remainder)
-            start, stop = sample_span(self.rank, self.world, worker, nworkers, cfg.batch_size, batches)
-            return span_pieces(cumulative, start, stop)
-        remaining = ranges_length(ranges)
-        _, pieces = resplit_pieces(
-            ranges, cumulative, self.rank, self.world, worker, nworkers, cfg.batch_size, str(cfg.remainder)
-        )
-        # A piece never straddles the remaining sequence's end (virtual_to_real cuts there).
-        return [
-            (slot, first, last, cumulative[slot] + first + (total if v >= remaining else 0))
-            for slot, first, last, v in pieces
-        ]
 
     def _read_piece(self, shard: Shard, first: int, last: int) -> Iterator[dict]:
         """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""
@@ -316,10 +288,8 @@ class ShardStream(IterableDataset):
                 samples = self._span(worker, nworkers, epoch, bad)
             else:
                 samples = self._raw_samples(urls, worker, bad)
-            if cfg.shuffle_buffer > 0:
-                rng = random.Random(f"{cfg.seed}:{epoch}:{self.rank}:{worker}:{k}:samples")
-                samples = wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(samples)
-            yield from samples
+            rng = seeds.sample_shuffle(cfg.seed, epoch, self.rank, worker, k)
+            yield from shuffled(samples, cfg.shuffle_buffer, rng)
 
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
@@ -369,7 +339,9 @@ class ShardStream(IterableDataset):
         the DataLoader restarts it (bench/results/2026-11-21-loader.md)."""
         pin_malloc_threshold()
         info = get_worker_info()
-        worker, nworkers = (info.id, info.num_workers) if info else (0, 1)
+        physical, nworkers = (info.id, info.num_workers) if info else (0, 1)
+        worker = (physical + self.turn) % nworkers  # whose stream it reads (the turn, __init__)
+        self.turn = 0
         cfg = self.cfg
         partial, skips, runs = cfg.partial, {}, {}
         if self.resume is not None:
@@ -383,21 +355,21 @@ class ShardStream(IterableDataset):
         prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop)
         shared = self.shared if info else None
         if shared is not None:
-            shared.restart(worker)
-        collation = functools.partial(collate, shared=shared, worker=worker)
+            shared.restart(physical)
+        collation = functools.partial(collate, shared=shared, worker=physical)
         # The worker's first batch only (a persistent worker's later epochs start as they are).
         warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and not self.warmed else 0
         self.warmed = True
-        warm = WarmStart(self.gate, leader=worker == 0, rows=warm_rows, threads=threads_for(nworkers))
+        warm = WarmStart(self.gate, leader=physical == 0, rows=warm_rows, threads=threads_for(nworkers))
         if shared is not None:
-            warm.ahead(functools.partial(shared.populate, worker))  # the first batch's buffer, while it decodes
+            warm.ahead(functools.partial(shared.populate, physical))  # the first batch's buffer, while it decodes
         rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
         if info is not None:
             rows = _primed(rows)
         if self.mix is not None and cfg.mix == "stratified":
-            return stratified(
-                rows, self, cfg.batch_size, collation, partial, cap=4 * cfg.batch_size + cfg.shuffle_buffer
-            )
+            made = {epoch: (start + len(skip)) // cfg.batch_size for epoch, (start, skip) in skips.items()}
+            cap = 4 * cfg.batch_size + cfg.shuffle_buffer
+            return stratified(rows, self, cfg.batch_size, collation, partial, cap, made)
         return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
 
     def _rows(

@@ -20,13 +20,13 @@ import functools
 import hashlib
 import itertools
 import json
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
+from wdsdist.data.plan import seeds
 from wdsdist.data.plan.splits import span_pieces
 from wdsdist.errors import UserError
 
@@ -213,7 +213,7 @@ def interleave(lengths: tuple[int, ...], size: int) -> tuple[np.ndarray, np.ndar
 def pass_order(source: MixSource, seed: int, number: int) -> list[int]:
     """Pass ``number`` of the source's stream: its shards (indices into its list) in a new order."""
     order = list(range(len(source.shards)))
-    random.Random(f"{seed}:{source.name}:pass:{number}").shuffle(order)
+    seeds.source_pass(seed, source.name, number).shuffle(order)
     return order
 
 
@@ -273,18 +273,18 @@ class MixEpoch:
             self._padding = _padding(self.lengths, self.size, self.source_of, count)
         return self._padding[:count]
 
-    def reads(self, spots: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
-        """What reading the sequence's positions ``spots`` in turn takes: the source of each, and per
-        source the shard pieces that give its samples in that same order (each source's part of a
-        stretch is a run of its window)."""
-        spots = np.asarray(spots, dtype=np.int64)
+    def reads(self, runs: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
+        """What reading these runs of real positions in turn takes (sequence.EpochSequence.runs):
+        the source of each position, and per source the shard pieces that give its samples in that
+        same order (each source's part of a stretch is a run of its window)."""
+        spots = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b, _ in runs] or [np.zeros(0, np.int64)])
         sources = self.source_of[spots]
         pieces: list[list[tuple[int, int, int]]] = []
         for s, source in enumerate(self.mix.sources):
             first = self.windows[s][0]
             index = self.index_of[spots[sources == s]]
-            runs = _runs(index)
-            pieces.append([p for a, b in runs for p in stream_pieces(source, self.seed, first + a, first + b)])
+            runs_of = _runs(index)
+            pieces.append([p for a, b in runs_of for p in stream_pieces(source, self.seed, first + a, first + b)])
         return sources, pieces
 
 
@@ -415,16 +415,3 @@ def differences(before: Sequence[Sequence], now: Sequence[Sequence]) -> str:
         for n in {**old, **new}
         if old.get(n) != new.get(n)
     )
-
-
-def same_mix(state: dict, mix: Mix | None, where: str) -> None:
-    """Refuse, in one line naming the difference, a loader state of other sources (or none)."""
-    saved = state.get("mix")
-    if saved == (mix.digest() if mix is not None else None) or (mix is not None and saved == mix.previous):
-        return
-    if mix is None:
-        raise UserError(f"{where} was saved reading several data sets ({state.get('sources')}): give the same sources")
-    if saved is None:
-        raise UserError(f"{where} was saved reading one data set: resume it without data.sources")
-    changed = differences(state.get("sources", []), mix.describe())
-    raise UserError(f"{where} was saved with other data.sources ({changed or 'epoch_samples'}): give the same sources")

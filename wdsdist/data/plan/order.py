@@ -6,12 +6,13 @@ which samples a checkpoint had consumed."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import webdataset as wds
 
-from wdsdist.data.options import LoaderConfig, ShardOrder
+from wdsdist.data.options import ShardOrder
+from wdsdist.data.plan import seeds
 from wdsdist.data.plan.splits import rank_batches
 from wdsdist.errors import UserError
 
@@ -21,7 +22,7 @@ T = TypeVar("T")
 def shard_order(shards: Sequence[T], seed: int, epoch: int, dsrepeat: int) -> list[T]:
     """A worker's shards for one epoch: ``dsrepeat`` passes, each shuffled; the same on every rank.
     (split=samples: all shards, one pass: the epoch's shard order.)"""
-    rng = random.Random(f"{seed}:{epoch}")
+    rng = seeds.epoch_order(seed, epoch)
     order: list[T] = []
     for _ in range(dsrepeat):
         one = list(shards)
@@ -77,7 +78,7 @@ def node_blocks(counts: Sequence[int], order: NodeOrder, seed: int) -> tuple[tup
     if nodes == 1:
         return (tuple(range(len(counts))),)
     shards = list(range(len(counts)))
-    random.Random(f"{seed}:nodes:{nodes}").shuffle(shards)
+    seeds.node_blocks(seed, nodes).shuffle(shards)
     before = 0
     blocks: list[list[int]] = [[] for _ in range(nodes)]
     for i in shards:
@@ -92,7 +93,7 @@ def epoch_order(blocks: Sequence[Sequence[int]], seed: int, epoch: int) -> list[
     block (node_blocks) shuffled (seed + epoch), the blocks in node order, so the equal rank spans
     cut from it fall in their node's block. One block of every shard is the global order,
     shard_order(range(n), seed, epoch, 1), the same permutation."""
-    rng = random.Random(f"{seed}:{epoch}")
+    rng = seeds.epoch_order(seed, epoch)
     order: list[int] = []
     for block in blocks:
         one = list(block)
@@ -101,16 +102,18 @@ def epoch_order(blocks: Sequence[Sequence[int]], seed: int, epoch: int) -> list[
     return order
 
 
-def shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> list[int]:
-    """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, by
-    replaying its shuffle buffer over the offsets (its permutation depends on the seed and the
-    length only). What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
-    return list(iter_shuffled_offsets(cfg, rank, worker, epoch, length))
+def shuffled(items: Iterable[T], bufsize: int, rng: random.Random) -> Iterator[T]:
+    """The sample shuffle, the one the loader uses everywhere: WebDataset's shuffle buffer of
+    ``bufsize`` items (none: ``items`` as they come), drawing from ``rng`` (seeds.py). Its
+    permutation depends on the generator and the number of items only, which is what lets a
+    resume replay it over position numbers (``shuffled_offsets``)."""
+    if bufsize <= 0:
+        return iter(items)
+    return wds.filters.shuffle(bufsize, min(bufsize, 100), rng=rng)(iter(items))
 
 
-def iter_shuffled_offsets(cfg: LoaderConfig, rank: int, worker: int, epoch: int, length: int) -> Iterator[int]:
-    """shuffled_offsets, lazily: a resume needs them only up to the last seq consumed."""
-    if cfg.shuffle_buffer <= 0:
-        return iter(range(length))
-    rng = random.Random(f"{cfg.seed}:{epoch}:{rank}:{worker}:0:samples")
-    return wds.filters.shuffle(cfg.shuffle_buffer, min(cfg.shuffle_buffer, 100), rng=rng)(iter(range(length)))
+def shuffled_offsets(seed: int, shuffle_buffer: int, rank: int, worker: int, epoch: int, length: int) -> Iterator[int]:
+    """split=samples: the span offset of each seq of a worker's stream of ``length`` samples, lazily
+    (a resume needs them only up to the last seq consumed), by replaying its shuffle over the
+    offsets. What an elastic resume maps a checkpoint's seq numbers with (resume.saved_progress)."""
+    return shuffled(range(length), shuffle_buffer, seeds.sample_shuffle(seed, epoch, rank, worker))

@@ -1,53 +1,33 @@
-# A long module: the tracker that writes the loader state and the elastic functions
-# that read it (resize_state in elastic.py applies them) share one format, documented once, here.
-"""A rank loader's exact position: which samples of which epochs each of its workers delivered.
+"""A rank loader's exact position: which samples of which epochs each of its workers delivered,
+and where the old workers of a checkpoint stood in an epoch's sequence (for an elastic resume).
 
-Every sample carries an id (epoch, worker, position in the worker's shuffled stream); the
-position built from the ids consumed is the loader state a checkpoint keeps, and a resumed
-loader skips exactly those samples, before decoding them.
+Every sample carries an id (epoch, worker, seq: its place in the worker's shuffled stream); the
+``ConsumedTracker`` builds a ``ResumePoint`` from the ids consumed, which is what a checkpoint
+keeps (state.py), and a resumed worker replays its stream and passes over exactly those seqs,
+before decoding them: on the same layout the next batch is the uninterrupted run's.
 
-With loader.split=samples each batch also carries every sample's position in the epoch's sample
-sequence (``batch["pos"]``: the shards in the epoch's seeded order, read as one sequence; from
-N on, the padding: position - N again). A same-layout resume stays the seq-based skip above
-(bit-exact: each worker's shuffled stream replays and drops what was consumed).
+A shard that fails mid-span leaves a placeholder at each position it did not deliver
+(stream.FAILED), so a stream keeps its length and its shuffle; placeholders and undecodable
+samples ride on the next row as runs of skipped seqs, which the tracker counts consumed (as
+runs: an index may claim millions of samples a shard does not hold).
 
-Elastic resume (the pure functions at the end of this module; elastic.py applies them to a
-checkpoint's loader states, and RankLoader and the trainer resume from the result):
-  - state: per old worker, its span [a, b) of the interrupted epoch (splits.sample_span, from
-    world, workers, batch size and the counts), the prefix [a, c) of it consumed, and the
-    positions beyond c consumed out of order (at most the shuffle buffer plus the cross-worker
-    shuffle and the batches in flight): O(ranks x workers) numbers plus the pending items,
-    never O(samples). The tracker can follow ``pos`` beside ``seq`` to keep them; today's
-    seq-based state names them too, since the shuffle buffer's permutation depends only on
-    its seed and the stream's length: replaying a worker's shuffle over its span's position
-    numbers maps seq to pos (tests/test_sample_split.py holds this). A shard that fails mid-span
-    leaves a placeholder at each position it did not deliver (stream.FAILED), so the stream keeps
-    its length and its shuffle; placeholders and undecodable samples ride on the next row as
-    runs of skipped seqs, which the tracker counts consumed (as runs: an index may claim
-    millions of samples a shard does not hold).
-  - resume on W' ranks x w' workers: the remaining positions of the interrupted epoch are
-    [0, N) minus {p mod N : p consumed}, as ranges in position order (O(ranks x workers)
-    ranges and the scattered pending points). They are one shorter sequence of M samples, split
-    by the same rule (rank_batches(M, W', B, remainder), sample_span): each new worker's span
-    maps through the range list's cumulative lengths (bisect) to positions, and through the
-    epoch's shard order to (shard, first, stop) pieces that read_span reads. Every sample of
-    the interrupted epoch is then delivered exactly once plus the padding (< W' x B, the
-    remaining sequence's first samples), every rank the same k' batches, so none hangs.
-  - the epochs after it are whole epochs on the new layout; the trainer's step count becomes
-    steps done + k' + the remaining epochs x k_new.
-  - repeat mode: workers run across epochs, so a worker may be one epoch ahead; each epoch in
-    flight is re-split the same way, in epoch order, before fresh epochs begin.
+Elastic resume (restore.py applies these): an old worker's seqs map to its span's virtual
+positions by replaying its shuffle (order.shuffled_offsets: its permutation depends on the seed
+and the stream's length only), and through the epoch's sequence (sequence.EpochSequence) to real
+positions; the epoch's remaining positions are the rest, as ranges: O(ranks x workers) numbers
+plus the few positions a shuffle buffer let out early, never O(samples).
 """
 
 from __future__ import annotations
 
-import bisect
+import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from wdsdist.data.plan.splits import rank_batches, sample_span, span_pieces
+from wdsdist.data.plan.sequence import EpochSequence, merge_ranges
+from wdsdist.data.plan.splits import Layout
 
 if TYPE_CHECKING:
     import torch
@@ -198,81 +178,6 @@ class ConsumedTracker:
         return ResumePoint(self.base, workers, runs)
 
 
-# ---------------------------------------------------------------- elastic resume: pure functions
-#
-# An epoch's sequence, as the loader splits it, is the positions of the epoch's sample sequence
-# (shards in the epoch's seeded order) still to be delivered, as sorted disjoint ranges of
-# [0, N): ((0, N),) for a whole epoch, fewer after an elastic resume. A worker's span, its
-# consumed prefix and the padding are "virtual" positions v in [0, k x world x B) of the ranges
-# read one after another (length M); v >= M is the padding, v mod M again. With the whole
-# epoch's ranges virtual and real positions coincide, so the split of a fresh epoch is
-# unchanged. All of it is arithmetic on ranges: nothing here is O(samples).
-
-Ranges = tuple[tuple[int, int], ...]
-
-
-def whole_epoch(total: int) -> Ranges:
-    return ((0, total),) if total > 0 else ()
-
-
-def ranges_length(ranges: Ranges) -> int:
-    return sum(b - a for a, b in ranges)
-
-
-def virtual_to_real(
-    ranges: Ranges, start: int, stop: int, cumulative: Sequence[int] | None = None
-) -> Iterator[tuple[int, int, int]]:
-    """The real positions of virtual positions [start, stop) of ``ranges`` read in order (from M
-    on, wrapping to their start: the padding), as (real start, real stop, virtual start) pieces.
-    ``cumulative``: the ranges' lengths cumulated (ranges_cumulative), when calling often."""
-    if cumulative is None:
-        cumulative = ranges_cumulative(ranges)
-    total = cumulative[-1]
-    if total <= 0:
-        return
-    v = start
-    while v < stop:
-        at = v % total
-        i = bisect.bisect_right(cumulative, at) - 1
-        real = ranges[i][0] + at - cumulative[i]
-        take = min(cumulative[i + 1] - at, stop - v)
-        yield real, real + take, v
-        v += take
-
-
-def ranges_cumulative(ranges: Ranges) -> list[int]:
-    return list(itertools.accumulate((b - a for a, b in ranges), initial=0))
-
-
-def merge_ranges(pieces: Iterable[tuple[int, int]]) -> Ranges:
-    """Sorted, disjoint, non-empty ranges covering the union of ``pieces``."""
-    out: list[list[int]] = []
-    for a, b in sorted(p for p in pieces if p[1] > p[0]):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return tuple((a, b) for a, b in out)
-
-
-def subtract_ranges(ranges: Ranges, taken: Ranges) -> Ranges:
-    """``ranges`` minus ``taken`` (both sorted and disjoint)."""
-    out: list[tuple[int, int]] = []
-    j = 0
-    for a, b in ranges:
-        while j < len(taken) and taken[j][1] <= a:
-            j += 1
-        k, cur = j, a
-        while k < len(taken) and taken[k][0] < b:
-            if taken[k][0] > cur:
-                out.append((cur, taken[k][0]))
-            cur = max(cur, taken[k][1])
-            k += 1
-        if cur < b:
-            out.append((cur, b))
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class WorkerProgress:
     """How far one worker got through its span of an epoch, in virtual positions: every position
@@ -298,61 +203,24 @@ class WorkerProgress:
         return out
 
 
-def remaining_after(ranges: Ranges, progress: Iterable[WorkerProgress]) -> Ranges:
-    """The positions of an epoch still to deliver once these workers' consumed positions are
-    taken from ``ranges`` (a consumed padding position takes its original: v mod M). The
-    result has at most len(ranges) + one range per worker + the scattered ``beyond`` points."""
-    cumulative = ranges_cumulative(ranges)
-    taken = merge_ranges(
-        (a, b) for p in progress for lo, hi in p.consumed() for a, b, _ in virtual_to_real(ranges, lo, hi, cumulative)
+def remaining_after(sequence: EpochSequence, progress: Iterable[WorkerProgress]) -> EpochSequence:
+    """What remains of an epoch's ``sequence`` once these workers' consumed virtual positions are
+    taken from it, each through the sequence's own map (a consumed padding slot takes the
+    position it read again). The result has at most len(ranges) + one range per worker + the
+    scattered ``beyond`` points."""
+    return sequence.without(
+        real for p in progress for lo, hi in p.consumed() if hi > lo for real in sequence.real(lo, hi)
     )
-    return subtract_ranges(ranges, taken)
 
 
-def resplit_positions(
-    ranges: Ranges, rank: int, world: int, worker: int, nworkers: int, batch_size: int, remainder: str
-) -> tuple[int, list[tuple[int, int, int]]]:
-    """One worker's share of an epoch's remaining ``ranges`` on a (new) layout: (the batches every
-    rank delivers, its real positions as (start, stop, virtual start) runs in reading order). The
-    remaining positions are one sequence of M samples split by the rule of a whole epoch
-    (splits.rank_batches, splits.sample_span), so every rank gets the same batches and the
-    padding is below world x batch_size whatever the workers. A run never straddles the
-    remaining sequence's end: from a virtual start of M on, a run is padding as a whole."""
-    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
-    start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
-    return batches, list(virtual_to_real(ranges, start, stop))
-
-
-def resplit_pieces(
-    ranges: Ranges,
-    cumulative: Sequence[int],
-    rank: int,
-    world: int,
-    worker: int,
-    nworkers: int,
-    batch_size: int,
-    remainder: str,
-) -> tuple[int, list[tuple[int, int, int, int]]]:
-    """resplit_positions read through the epoch's shard order: (the batches every rank delivers,
-    the pieces to read). ``cumulative`` is the epoch's shard order's sample counts, cumulated
-    (splits.span_pieces); a piece is (slot, first, stop, virtual position of its first sample)."""
-    batches, runs = resplit_positions(ranges, rank, world, worker, nworkers, batch_size, remainder)
-    pieces = []
-    for real_start, real_stop, v in runs:
-        for slot, first, last, position in span_pieces(cumulative, real_start, real_stop):
-            pieces.append((slot, first, last, v + position - real_start))
-    return batches, pieces
-
-
-def round_robin_progress(
-    ranges: Ranges, rank: int, world: int, nworkers: int, batch_size: int, remainder: str, consumed: int
-) -> list[WorkerProgress]:
+def round_robin_progress(sequence: EpochSequence, layout: Layout, rank: int, consumed: int) -> list[WorkerProgress]:
     """Where each worker of a rank stands after the rank consumed ``consumed`` batches of an
-    epoch of ``ranges``, with no shuffle: the DataLoader takes batches from its workers in turn,
-    passing over those that ended (sample_span gives the first workers the extra batches). What
-    simdist's plan mode checkpoints; a real loader's progress comes from its batches' positions."""
-    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
-    each, extra = divmod(batches, nworkers)
+    epoch, with no shuffle: the DataLoader takes batches from its workers in turn, passing over
+    those that ended (sample_span gives the first workers the extra batches). What simdist's
+    plan mode checkpoints; a real loader's progress comes from its batches' positions."""
+    batches = sequence.batches(layout)
+    nworkers = layout.nworkers
+    each, _ = divmod(batches, nworkers)
     consumed = min(max(consumed, 0), batches)
     out = []
     for worker in range(nworkers):
@@ -360,54 +228,57 @@ def round_robin_progress(
             taken = consumed // nworkers + (worker < consumed % nworkers)
         else:
             taken = each + (worker < consumed - each * nworkers)
-        start, _ = sample_span(rank, world, worker, nworkers, batch_size, batches)
-        out.append(WorkerProgress(start, start + taken * batch_size))
+        start, _ = layout.span(rank, worker, batches)
+        out.append(WorkerProgress(start, start + taken * layout.batch_size))
     return out
 
 
 def saved_progress(
     points: Sequence[ResumePoint],
     epoch: int,
-    ranges: Ranges,
-    nworkers: int,
-    batch_size: int,
-    remainder: str,
+    sequence: EpochSequence,
+    layout: Layout,
     order: Callable[[int, int, int], Iterable[int]] | None = None,
 ) -> list[WorkerProgress]:
-    """Every old worker's progress through ``epoch`` (whose sequence was ``ranges``), in virtual
-    positions, from the old ranks' saved points (one per rank, in rank order) on the layout
+    """Every old worker's progress through ``epoch`` (read as ``sequence``), in virtual
+    positions, from the old ranks' saved points (one per rank, in rank order) on the ``layout``
     they were saved with. A worker reads its span's positions in order, but its seq numbers
     count its *shuffled* stream: ``order(rank, worker, length)`` gives the span offset of each
-    seq, in seq order (order.iter_shuffled_offsets replays the shuffle; None: no shuffle); a
-    failed shard keeps its positions in the stream as placeholders, so that holds with bad data
-    too. A worker with no entry for ``epoch`` delivered nothing of it, or all of it if it is
-    past it. Replaying costs O(span) time, transiently, up to the last seq consumed; the result
-    is small."""
-    world = len(points)
-    batches = rank_batches(ranges_length(ranges), world, batch_size, remainder)
+    seq, in seq order (order.shuffled_offsets replays the shuffle; None: no shuffle); a failed
+    shard keeps its positions in the stream as placeholders, so that holds with bad data too.
+    A worker with no entry for ``epoch`` delivered nothing of it, or all of it if it is past it.
+    Replaying costs O(span) time, transiently, up to the last seq consumed; the result is small."""
+    batches = sequence.batches(layout)
     out = []
     for rank, point in enumerate(points):
-        for worker in range(nworkers):
-            start, stop = sample_span(rank, world, worker, nworkers, batch_size, batches)
+        for worker in range(layout.nworkers):
+            start, stop = layout.span(rank, worker, batches)
             epochs = point.workers.get(worker, {})
             if epoch in epochs:
-                done, beyond = epochs[epoch]
-                runs = point.runs_of(worker, epoch)
-                if order is None:
-                    shifted = tuple((start + a, start + b) for a, b in runs)
-                    out.append(WorkerProgress(start, start + done, frozenset(start + s for s in beyond), shifted))
-                    continue
-                # The replay runs only as far as the last seq consumed (half the cost mid-epoch).
-                last = max([done - 1, *beyond, *(b - 1 for _, b in runs)])
-                offsets = list(itertools.islice(order(rank, worker, stop - start), last + 1))
-                in_runs = (offsets[s] for a, b in runs for s in range(a, min(b, len(offsets))))
-                taken = sorted({*offsets[:done], *(offsets[s] for s in beyond), *in_runs})
-                prefix = 0
-                while prefix < len(taken) and taken[prefix] == prefix:
-                    prefix += 1
-                out.append(WorkerProgress(start, start + prefix, frozenset(start + o for o in taken[prefix:])))
+                replay = functools.partial(order, rank, worker) if order is not None else None
+                out.append(_progress(point, worker, epoch, start, stop, replay))
             elif epochs and min(epochs) > epoch or point.epoch > epoch:
                 out.append(WorkerProgress(start, stop))
             else:
                 out.append(WorkerProgress(start, start))
     return out
+
+
+def _progress(
+    point: ResumePoint, worker: int, epoch: int, start: int, stop: int, order: Callable[[int], Iterable[int]] | None
+) -> WorkerProgress:
+    """One worker's saved progress through its span [start, stop) of ``epoch``."""
+    done, beyond = point.workers[worker][epoch]
+    runs = point.runs_of(worker, epoch)
+    if order is None:
+        shifted = tuple((start + a, start + b) for a, b in runs)
+        return WorkerProgress(start, start + done, frozenset(start + s for s in beyond), shifted)
+    # The replay runs only as far as the last seq consumed (half the cost mid-epoch).
+    last = max([done - 1, *beyond, *(b - 1 for _, b in runs)])
+    offsets = list(itertools.islice(order(stop - start), last + 1))
+    in_runs = (offsets[s] for a, b in runs for s in range(a, min(b, len(offsets))))
+    taken = sorted({*offsets[:done], *(offsets[s] for s in beyond), *in_runs})
+    prefix = 0
+    while prefix < len(taken) and taken[prefix] == prefix:
+        prefix += 1
+    return WorkerProgress(start, start + prefix, frozenset(start + o for o in taken[prefix:]))

@@ -294,6 +294,35 @@ def rank_batches(total: int, world: int, batch_size: int, remainder: str) -> int
     return -(-total // slot) if remainder == "pad" else total // slot
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The numbers a split of the epoch's sample sequence travels with: ranks, workers per rank
+    (0, loading in the main process, is one), the batch size and what the split does with the
+    epoch's remainder (``pad`` or ``drop``)."""
+
+    world: int
+    workers: int
+    batch_size: int
+    remainder: str = "pad"
+
+    @property
+    def nworkers(self) -> int:
+        return max(self.workers, 1)
+
+    def batches(self, total: int) -> int:
+        """Batches every rank delivers of a sequence of ``total`` samples (``rank_batches``)."""
+        return rank_batches(total, self.world, self.batch_size, str(self.remainder))
+
+    def span(self, rank: int, worker: int, batches: int) -> tuple[int, int]:
+        """[start, stop) of a worker's span when every rank delivers ``batches`` (``sample_span``)."""
+        return sample_span(rank, self.world, worker, self.nworkers, self.batch_size, batches)
+
+    def text(self) -> str:
+        """'2 ranks x 3 workers', as the lines about a layout name it."""
+        ranks, workers = "rank" + "s" * (self.world != 1), "worker" + "s" * (self.workers != 1)
+        return f"{self.world} {ranks} x {self.workers} {workers}"
+
+
 def sample_span(rank: int, world: int, worker: int, nworkers: int, batch_size: int, batches: int) -> tuple[int, int]:
     """[start, stop) of one worker's span in the epoch's sample sequence: rank r holds batches
     r*k .. (r+1)*k - 1 of it, and its workers hold whole batches of that, in order, so every

@@ -1,0 +1,41 @@
+"""Every random draw of the loader's orders, seeded here and nowhere else.
+
+Each generator is a ``random.Random`` seeded by a string of the run's seed and what the draw is
+for. The strings are part of the saved state's meaning: a resume (on the same layout or another)
+replays the orders an epoch was read in, so changing one breaks every checkpoint written before
+it. They are kept as they were when first written.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def epoch_order(seed: int, epoch: int) -> random.Random:
+    """The epoch's shard order (split=samples), and a worker's shards each epoch (split=shards)."""
+    return random.Random(f"{seed}:{epoch}")
+
+
+def node_blocks(seed: int, nodes: int) -> random.Random:
+    """Which shards each node keeps (loader.shard_order=node): fixed for a node count."""
+    return random.Random(f"{seed}:nodes:{nodes}")
+
+
+def sample_shuffle(seed: int, epoch: int, rank: int, worker: int, number: int = 0) -> random.Random:
+    """A worker's shuffle buffer in ``epoch`` (``number``: the pass, with dsrepeat)."""
+    return random.Random(f"{seed}:{epoch}:{rank}:{worker}:{number}:samples")
+
+
+def resampled(seed: int, epoch: int, rank: int, worker: int) -> random.Random:
+    """loader.mode=resampled: a worker's shards, drawn with replacement."""
+    return random.Random(f"{seed}:{epoch}:{rank}:{worker}")
+
+
+def cross_shuffle(seed: int, rank: int, epoch: int) -> random.Random:
+    """loader.cross_shuffle: the shuffle across a rank's workers, in its ``epoch``-th iteration."""
+    return random.Random(f"{seed}:{rank}:cross:{epoch}")
+
+
+def source_pass(seed: int, source: str, number: int) -> random.Random:
+    """Several data sets: pass ``number`` of a source's stream (its shards' order)."""
+    return random.Random(f"{seed}:{source}:pass:{number}")
