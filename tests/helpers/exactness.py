@@ -1,0 +1,542 @@
+"""The randomized exactness test's cases and driver (tests/test_exactness.py, ./run fuzz).
+
+A case is a data set (or up to three, mixed), loader options and a chain of up to three layouts
+(ranks given by hand, so no process group is needed). The driver writes real tar shards whose
+labels are sample ids, runs the real ``Loader`` with real worker processes on the first layout,
+takes every rank's ``state_dict()`` at a drawn step, resumes on the next layout (the same one or
+another), and so on; every rank's batches are held to the model (tests/helpers/model.py):
+  - each batch comes from the worker the model says, holds the tags it says (as a set per
+    worker and epoch where a shuffle buffer reorders them), and each label is the sample its
+    tag names;
+  - on the same layout, a resumed run is batch for batch the uninterrupted one;
+  - every epoch: each position once as itself, none missing (pad) or none twice (drop), the
+    padding rows exactly the stated ones, each source's count as the sequence says;
+  - epoch mode: every rank the same batches, and ``len()`` counts the epoch from its start.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import itertools
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import webdataset as wds
+from hypothesis import strategies as st
+from PIL import Image
+
+from tests.helpers import model as m
+from wdsdist.data import Loader, LoaderConfig, Source, UserError
+from wdsdist.data.plan.mix import MixEpoch
+from wdsdist.data.plan.order import GLOBAL, epoch_order, node_blocks, shard_order
+from wdsdist.data.plan.sequence import EpochShards
+from wdsdist.data.sources.index import index_path, write_index
+
+EPOCHS = 2  # epoch mode: every run reads epochs 0 and 1
+
+
+@dataclass(frozen=True)
+class Data:
+    """One data set: its shards' sample counts and, among several, how much an epoch reads."""
+
+    counts: tuple[int, ...]
+    setting: str | None = None  # weight, repeat or samples
+    value: float | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    data: tuple[Data, ...]
+    batch: int
+    buffer: int
+    remainder: str
+    mode: str
+    split: str
+    mix: str
+    seed: int
+    epoch_samples: int | None
+    layouts: tuple[tuple[int, int], ...]  # (ranks, workers) of each part of the run
+
+    def config(self, workers: int) -> LoaderConfig:
+        return LoaderConfig(
+            batch_size=self.batch, workers=workers, mode=self.mode, split=self.split, remainder=self.remainder,
+            shuffle_buffer=self.buffer, seed=self.seed, image_size=8, mix=self.mix, epoch_samples=self.epoch_samples,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def _fixed(data: Data) -> int:
+    """Samples an epoch reads of a source that has no weight (at most)."""
+    size = sum(data.counts)
+    if data.setting == "samples":
+        return int(data.value)  # type: ignore[arg-type]
+    rate = Fraction(str(data.value)) if data.setting == "repeat" else Fraction(1)
+    return -(-rate * size // 1)
+
+
+@st.composite
+def cases(draw: Callable) -> Case:
+    """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
+    buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
+    weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too."""
+    several = draw(st.integers(1, 3))
+    data = []
+    for _ in range(several):
+        counts = tuple(draw(st.lists(st.integers(1, 24), min_size=1, max_size=5)))
+        if several == 1:
+            data.append(Data(counts))
+            continue
+        setting = draw(st.sampled_from([None, "weight", "repeat", "samples"]))
+        value = {
+            None: st.none(),
+            "weight": st.sampled_from([0.1, 0.25, 0.5, 1.0, 3.0]),
+            "repeat": st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]),
+            "samples": st.integers(1, 50),
+        }[setting]
+        data.append(Data(counts, setting, draw(value)))
+    epoch_samples = None
+    if any(d.setting == "weight" for d in data):
+        epoch_samples = sum(_fixed(d) for d in data if d.setting != "weight") + draw(st.integers(1, 120))
+    mode = draw(st.sampled_from(["epoch", "repeat"]))
+    split = "samples" if mode == "epoch" or several > 1 else draw(st.sampled_from(["samples", "shards"]))
+    batch = draw(st.integers(1, 17))
+    # Most cases fit every layout (a layout too small for its workers is refused at start, as
+    # the model says): the batch and the later layouts are drawn within the data's size.
+    fit = draw(st.sampled_from([True, True, True, False]))
+    total = (epoch_samples or sum(_fixed(d) for d in data)) - several  # epoch 0's length, at least
+    if split == "shards":
+        total = len(data[0].counts) * batch  # a worker needs a shard, whatever the batch
+    parts = draw(st.integers(1, 3))
+    layouts = [(draw(st.integers(1, 5)), draw(st.integers(0, 4)))]
+    if fit:
+        batch = max(1, min(batch, total // (layouts[0][0] * max(layouts[0][1], 1))))
+    for _ in range(parts - 1):
+        if draw(st.booleans()):
+            layouts.append(layouts[-1])
+            continue
+        world = draw(st.integers(1, 5 if not fit else max(1, min(5, total // batch))))
+        workers = draw(st.integers(0, 4 if not fit else max(0, min(4, total // (batch * world)))))
+        layouts.append((world, workers))
+    span = max(1, sum(sum(d.counts) for d in data) // (layouts[0][0] * max(layouts[0][1], 1)))
+    buffer = draw(st.one_of(st.just(0), st.integers(1, 2 * span)))
+    return Case(
+        data=tuple(data),
+        batch=batch,
+        buffer=buffer,
+        remainder=draw(st.sampled_from(["pad", "drop"])),
+        mode=mode,
+        split=split,
+        mix=draw(st.sampled_from(["sample", "stratified"])) if several > 1 else "sample",
+        seed=draw(st.integers(0, 999)),
+        epoch_samples=epoch_samples,
+        layouts=tuple(layouts),
+    )
+
+
+# ---------------------------------------------------------------- the data
+
+
+@dataclass
+class Shards:
+    """The case's shards on disk: what a Loader is given, and each shard's sample ids (labels)."""
+
+    spec: object
+    ids: list[range]  # per shard, in the loader's shard list's order
+    source: list[int]  # per sample id, its source
+
+    def labels_of(self, shard: int, first: int, stop: int) -> range:
+        return self.ids[shard][first:stop]
+
+
+_JPEG: list[bytes] = []
+
+
+def _jpeg() -> bytes:
+    if not _JPEG:
+        out = io.BytesIO()
+        Image.new("RGB", (8, 8), (90, 120, 150)).save(out, format="JPEG", quality=90)
+        _JPEG.append(out.getvalue())
+    return _JPEG[0]
+
+
+def write_shards(case: Case, root: Path) -> Shards:
+    ids, source, specs, n = [], [], [], 0
+    for s, data in enumerate(case.data):
+        folder = root / f"s{s}"
+        folder.mkdir(parents=True)
+        listed = []
+        for i, count in enumerate(data.counts):
+            path = folder / f"s{s}-{i:06d}.tar"
+            with wds.TarWriter(str(path)) as sink:
+                for j in range(count):
+                    sink.write({"__key__": f"k{n + j:06d}", "jpg": _jpeg(), "cls": str(n + j)})
+            listed.append((str(path), count))
+            ids.append(range(n, n + count))
+            source += [s] * count
+            n += count
+        specs.append(index_path(str(folder), f"s{s}"))
+        write_index(specs[-1], listed, name=f"s{s}")
+    if len(case.data) == 1:
+        return Shards(specs[0], ids, source)
+    sources = [
+        Source(f"s{s}", spec, **({d.setting: d.value} if d.setting else {}))
+        for s, (spec, d) in enumerate(zip(specs, case.data, strict=True))
+    ]
+    return Shards(sources, ids, source)
+
+
+# ---------------------------------------------------------------- what the sequence is
+
+
+@dataclass
+class Sequence:
+    """Each epoch's sequence as the library defines it (its shard order, a mix's windows and
+    padding): its length, its padding's positions, and the sample id at each position."""
+
+    case: Case
+    shards: Shards
+    mix: object  # the Loader's Mix, or None
+    cache: dict[int, tuple[int, list[int], object]] = field(default_factory=dict)
+
+    def _epoch(self, epoch: int) -> tuple[int, list[int], object]:
+        if epoch not in self.cache:
+            case, shards = self.case, self.shards
+            if self.mix is None:
+                counts = [len(r) for r in shards.ids]
+                order = epoch_order(node_blocks(counts, GLOBAL, case.seed), case.seed, epoch)
+                _, (pieces,) = EpochShards(counts, order).reads([(0, sum(counts), 0)])
+                ids = [i for shard, a, b in pieces for i in shards.labels_of(shard, a, b)]
+                self.cache[epoch] = (len(ids), ids, m.cyclic(range(len(ids))))
+            else:
+                mixed = MixEpoch(self.mix, case.seed, epoch, case.batch)
+                which, pieces = mixed.reads([(0, mixed.total, 0)])
+                each = [iter([i for shard, a, b in p for i in shards.labels_of(shard, a, b)]) for p in pieces]
+                ids = [next(each[s]) for s in which.tolist()]
+                self.cache[epoch] = (mixed.total, ids, mixed.padding)
+        return self.cache[epoch]
+
+    def total(self, epoch: int) -> int:
+        return self._epoch(epoch)[0]
+
+    def padding(self, epoch: int):  # noqa: ANN201 (count -> positions)
+        return self._epoch(epoch)[2]
+
+    def sample(self, epoch: int, tag: int) -> int:
+        n, ids, _ = self._epoch(epoch)
+        return ids[tag % n]
+
+    def model(self) -> m.Sequence_:
+        return m.Sequence_(self.total, self.padding, self.case.batch, self.case.remainder)
+
+
+# ---------------------------------------------------------------- running the real loader
+
+
+@dataclass(frozen=True)
+class Got:
+    """One batch as the loader delivered it."""
+
+    epoch: int
+    worker: int
+    tags: tuple[int, ...]
+    labels: tuple[int, ...]
+    epochs: tuple[int, ...]
+    sources: tuple[int, ...] | None
+
+
+def got(batch: dict) -> Got:
+    ids = batch["id"].tolist()
+    epochs = tuple(e for e, _, _ in ids)
+    workers = {w for _, w, _ in ids}
+    assert len(workers) == 1, f"a batch holds rows of workers {sorted(workers)}"
+    sources = tuple(batch["source"].tolist()) if "source" in batch else None
+    return Got(epochs[0], workers.pop(), tuple(batch["pos"].tolist()), tuple(batch["label"].tolist()), epochs, sources)
+
+
+@dataclass
+class RankRun:
+    steps: list[Got]
+    state: dict | None  # its state_dict() after ``stop`` steps
+    lens: dict[int, tuple[int, int]]  # epoch mode: epoch -> (len(), batches_done) as its iteration began
+
+
+def run_rank(loader: Loader, mode: str, stop: int | None, count: int | None) -> RankRun:
+    """Epoch mode: every epoch through EPOCHS - 1; repeat mode: ``count`` batches. The state is
+    taken after ``stop`` batches."""
+    out = RankRun([], None, {})
+    if stop == 0:
+        out.state = loader.state_dict()
+
+    def taken(batch: dict) -> None:
+        out.steps.append(got(batch))
+        if len(out.steps) == stop:
+            out.state = loader.state_dict()
+
+    if mode == "epoch":
+        while loader.epoch < EPOCHS:
+            epoch, length, done = loader.epoch, len(loader), loader.batches_done
+            out.lens[epoch] = (length, done)
+            before = len(out.steps)
+            for batch in loader:
+                taken(batch)
+            assert len(out.steps) - before == length - done, "an epoch's batches are not what len() said"
+    else:
+        for batch in itertools.islice(iter(loader), count):
+            taken(batch)
+    return out
+
+
+def make_loader(case: Case, shards: Shards, shape: m.Shape, rank: int) -> Loader:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        return Loader(shards.spec, case.config(shape.workers), rank=rank, world=shape.world)
+
+
+# ---------------------------------------------------------------- the model's side
+
+
+def refused(case: Case, seq: Sequence, shape: m.Shape) -> bool:
+    """Whether the loader must refuse this layout at start: a worker without a batch of epoch 0
+    (split=samples), or without a shard (split=shards)."""
+    if case.split == "shards":
+        n = len(case.data[0].counts)
+        return min(len(range(n)[r :: shape.world]) for r in range(shape.world)) < shape.nworkers
+    return seq.total(0) < shape.world * shape.nworkers * case.batch
+
+
+def stands(case: Case, part: m.Part, since: list[list[Got]]) -> list[tuple[int, list[int]]]:
+    """Each checkpointed rank's (stand, the newest epoch each worker delivered from) on its layout."""
+    out = []
+    for steps in since:
+        if case.mode == "epoch":
+            epoch = steps[-1].epoch if steps else part.start
+            done = sum(g.epoch == epoch for g in steps)
+            if steps and done == part.batches(epoch):
+                out.append((epoch + 1, []))  # the epoch ended: nothing in flight
+                continue
+            out.append((epoch, [epoch] if any(g.epoch == epoch for g in steps) else []))
+            continue
+        opened: dict[int, int] = {}
+        for g in steps:
+            opened[g.worker] = max(opened.get(g.worker, g.epoch), g.epoch)
+        out.append((m.stand(opened, part.shape.nworkers, part.start), list(opened.values())))
+    return out
+
+
+def repeat_count(full: list[list[m.Step]], through: int) -> int | None:
+    """Repeat mode: the batches every rank takes so that each has delivered all of epochs through
+    ``through``; None where the model's batches (a finite start of endless streams) do not reach
+    that far on every rank."""
+    counts = [0]
+    for steps in full:
+        later = {s.worker for s in steps if min(s.epochs or (s.epoch,)) > through}
+        if len(later) < len({s.worker for s in steps}):
+            return None  # a worker's batches end before it is past ``through``
+        counts.append(1 + max((i for i, s in enumerate(steps) if min(s.epochs or (s.epoch,)) <= through), default=-1))
+    count = max(counts)
+    return count if all(len(steps) >= count for steps in full) else None
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_steps(case: Case, seq: Sequence, shards: Shards, real: list[Got], want: list[m.Step], full: list[m.Step]):
+    """A rank's batches against the model's (``full``: all the model's batches of this part from
+    the same point, to tell a worker's epoch that the run did not finish)."""
+    assert len(real) == len(want), f"{len(real)} batches delivered, the model says {len(want)}"
+    # Without a shuffle buffer each batch is the model's; mix=stratified makes a batch of each
+    # source's rows together, and in a re-split epoch its own batches to the shares (test_mix)
+    exact = case.buffer == 0 and case.mix != "stratified"
+    for i, (g, w) in enumerate(zip(real, want, strict=True)):
+        assert (g.worker, g.epoch) == (w.worker, w.epoch), (
+            f"batch {i}: worker, epoch {(g.worker, g.epoch)}, model {(w.worker, w.epoch)}"
+        )
+        mine = g.labels if case.split == "shards" else g.tags
+        assert not exact or mine == w.tags, f"batch {i}: {mine}, the model says {w.tags}"
+        if case.split == "samples":
+            named = tuple(seq.sample(e, t) for e, t in zip(g.epochs, g.tags, strict=True))
+            assert g.labels == named, f"batch {i}: samples {g.labels}, its positions name {named}"
+        if g.sources is not None:
+            assert g.sources == tuple(shards.source[x] for x in g.labels), f"batch {i}: sources {g.sources}"
+    if exact:
+        return
+    rows = Counter(
+        (g.worker, e, x)
+        for g in real
+        for e, x in zip(g.epochs, g.labels if case.split == "shards" else g.tags, strict=True)
+    )
+    model = Counter(
+        (w.worker, e, x) for w in want for e, x in zip(w.epochs or (w.epoch,) * len(w.tags), w.tags, strict=True)
+    )
+    rest = Counter((w.worker, e) for w in full[len(want) :] for e in (w.epochs or (w.epoch,)))
+    for (worker, epoch, x), n in rows.items():
+        assert n <= model[worker, epoch, x] or rest[worker, epoch], f"worker {worker} epoch {epoch}: {x} {n} times"
+    done = {(worker, epoch) for worker, epoch, _ in model} - set(rest)
+    for key in done:
+        got_ = Counter({x: n for (w, e, x), n in rows.items() if (w, e) == key})
+        want_ = Counter({x: n for (w, e, x), n in model.items() if (w, e) == key})
+        assert got_ == want_, f"worker {key[0]} epoch {key[1]}: {sorted(got_.elements())} != {sorted(want_.elements())}"
+
+
+def check_coverage(case: Case, seq: Sequence, delivered: dict[int, list[int]], epochs: range) -> None:
+    """Every epoch: each position once as itself; pad: none missing; drop: none twice."""
+    for epoch in epochs:
+        n, tags = seq.total(epoch), delivered.get(epoch, [])
+        itself = Counter(t for t in tags if t < n)
+        assert not itself or max(itself.values()) == 1, f"epoch {epoch}: a position twice as itself"
+        if case.remainder == "pad":
+            missing = set(range(n)) - {t % n for t in tags}
+            assert not missing, f"epoch {epoch}: positions {sorted(missing)[:10]} never delivered"
+        else:
+            assert all(t < n for t in tags) and len(tags) == len(set(tags)), f"epoch {epoch}: drop repeated one"
+
+
+# ---------------------------------------------------------------- a case, from start to end
+
+
+@dataclass
+class Layout_:
+    """The model's part of the run on one layout (kept across same-layout resumes)."""
+
+    shape: m.Shape
+    part: m.Part | None  # split=samples
+    seed: int  # the stream's seed (split=shards: reseeded on another layout)
+    carried: dict[int, int]  # epoch -> batches per rank delivered in it on earlier layouts
+    since: list[list[Got]]  # per rank, what this layout delivered so far (to the checkpoint)
+
+
+def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
+    """Run the case's chain of layouts on the real loader against the model (the module):
+    "refused" where a layout is refused at start (as the model says it must be), else "held"."""
+    shards = write_shards(case, root)
+    first = m.Shape(*case.layouts[0])
+    mix = None
+    if len(case.data) > 1:
+        from wdsdist.data.delivery.mixing import mix_config, resolve_sources
+
+        mix = resolve_sources(shards.spec, mix_config(case.config(first.workers)))[1]  # type: ignore[arg-type]
+    seq = Sequence(case, shards, mix)
+    delivered: dict[int, list[int]] = {}  # epoch -> every tag delivered, up to each checkpoint
+    state, layout, previous = None, None, None
+    steps_taken = 0
+    for index, (world, workers) in enumerate(case.layouts):
+        shape = m.Shape(world, workers)
+        if refused(case, seq, shape):
+            try:
+                make_loader(case, shards, shape, 0)
+            except UserError as exc:
+                assert "\n" not in str(exc)
+                return "refused"
+            raise AssertionError(f"the loader took {shape}, which leaves a worker without a batch")
+        layout = next_layout(case, seq, layout, shape, delivered, steps_taken)
+        full, count, extra = [], None, 0
+        while count is None:  # repeat mode: a worker with little data runs many epochs ahead
+            extra = 2 * extra or 3
+            assert extra < 5000, "the model's streams never pass the horizon on every worker"
+            full = expected(case, seq, shards, layout, extra)
+            count = len(full[0]) if case.mode == "epoch" else repeat_count(full, horizon(case, layout))
+        count = max(0, count - len(layout.since[0]))  # what this layout delivered before is done
+        last = index == len(case.layouts) - 1
+        stop = None if last else stop_at(count)
+        runs = []
+        for rank in range(world):
+            loader = make_loader(case, shards, shape, rank)
+            if state is not None:
+                loader.load_state_dict(state)
+            runs.append(run_rank(loader, case.mode, stop, None if case.mode == "epoch" else count))
+            del loader
+            gc.collect()  # this rank's workers end before the next rank's start
+        for rank, run in enumerate(runs):
+            # this layout's batches since it began, the ones before a same-layout resume included
+            mine = layout.since[rank] + run.steps
+            check_steps(case, seq, shards, mine, full[rank][: len(mine)], full[rank])
+            assert len(run.steps) == count, f"rank {rank}: {len(run.steps)} batches, the model says {count}"
+            if case.mode == "epoch":
+                check_lens(layout, run, full[rank])
+        if previous is not None and previous[0] is layout:
+            # the same layout: batch for batch the run that was not interrupted
+            for rank, run in enumerate(runs):
+                straight = previous[1][rank].steps[previous[2] :]
+                n = min(len(straight), len(run.steps))
+                assert run.steps[:n] == straight[:n], f"rank {rank}: the resumed run left the uninterrupted one"
+        cut = stop if stop is not None else None
+        for run in runs:
+            for g in run.steps[:cut]:
+                for e, t in zip(g.epochs, g.tags, strict=True):
+                    delivered.setdefault(e, []).append(t)
+        for rank, run in enumerate(runs):
+            layout.since[rank] += run.steps[:cut]
+        if stop is not None:
+            steps_taken += stop
+            state = every_rank([run.state for run in runs])
+        previous = (layout, runs, stop or 0)
+    if case.split == "samples":
+        final = range(EPOCHS) if case.mode == "epoch" else range(horizon(case, layout) + 1)
+        check_coverage(case, seq, delivered, final)
+    return "held"
+
+
+def every_rank(states: list[dict | None]) -> dict:
+    """Every rank's entry in one state, as a gather over torch.distributed would make it."""
+    assert all(s is not None for s in states)
+    return states[0] | {"ranks": [s["ranks"][r] for r, s in enumerate(states)]}  # type: ignore[index]
+
+
+def next_layout(
+    case: Case, seq: Sequence, layout: Layout_ | None, shape: m.Shape, delivered: dict[int, list[int]], steps: int
+) -> Layout_:
+    """The model's side of the next part: the same layout goes on; another re-splits (or, with
+    split=shards, starts a stream reseeded with the steps taken)."""
+    fresh = [[] for _ in range(shape.world)]
+    if layout is None:
+        part = m.Part(seq.model(), shape, case.mode, 0, {}) if case.split == "samples" else None
+        return Layout_(shape, part, case.seed, {}, fresh)
+    if layout.shape == shape:
+        return layout
+    if case.split == "shards":
+        return Layout_(shape, None, case.seed + steps, {}, fresh)
+    old = layout.part
+    start, resplit = m.resplit(seq.model(), delivered, stands(case, old, layout.since), old.resplit, shape)
+    carried = Counter(layout.carried)
+    carried.update(Counter(g.epoch for g in layout.since[0]))
+    return Layout_(shape, m.Part(seq.model(), shape, case.mode, start, resplit), case.seed, dict(carried), fresh)
+
+
+def horizon(case: Case, layout: Layout_) -> int:
+    """The last epoch a part reads: epoch mode, EPOCHS - 1; repeat mode, at least that and at
+    least the epoch it starts in."""
+    if case.mode == "epoch":
+        return EPOCHS - 1
+    return max(EPOCHS - 1, layout.part.start if layout.part is not None else 0)
+
+
+def expected(case: Case, seq: Sequence, shards: Shards, layout: Layout_, extra: int) -> list[list[m.Step]]:
+    """Every rank's batches from where this layout started, as the model says (repeat mode:
+    through ``extra`` epochs past the horizon)."""
+    shape, out = layout.shape, []
+    through = horizon(case, layout) + (0 if case.mode == "epoch" else extra)
+    for rank in range(shape.world):
+        if layout.part is not None:
+            steps = layout.part.steps(rank, through)
+        else:
+            ids = [list(r) for r in shards.ids]
+            order = lambda mine, epoch: shard_order(mine, layout.seed, epoch, 1)  # noqa: E731
+            steps = m.shard_steps(ids, order, shape, rank, case.batch, range(through + 1))
+        out.append(steps)
+    return out
+
+
+def check_lens(layout: Layout_, run: RankRun, full: list[m.Step]) -> None:
+    """Epoch mode: len() counts the epoch from its start (the batches of other layouts included),
+    batches_done what was delivered of it before."""
+    for epoch, (length, done) in run.lens.items():
+        whole = layout.part.batches(epoch) + layout.carried.get(epoch, 0)  # type: ignore[union-attr]
+        before = layout.carried.get(epoch, 0) + sum(g.epoch == epoch for g in layout.since[0])
+        assert (length, done) == (whole, before), f"epoch {epoch}: len() {length}, done {done}; model {whole}, {before}"

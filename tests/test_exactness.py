@@ -1,0 +1,99 @@
+"""The loader held to its model over random layouts (issue 35): equal batches on every rank,
+every position once per epoch plus exactly the stated padding, each source's samples, len(), and
+resumes (mid-epoch, mid-rotation, once or twice, on the same layout or another) that go on batch
+for batch on the same layout and exactly on any other. The cases and the driver are in
+tests/helpers/exactness.py, the model in tests/helpers/model.py.
+
+The suite runs a fixed set of drawn examples (derandomized) and the cases the randomized test
+found, shrunk, each kept below with what it broke; ``./run fuzz --examples N`` (or
+``--minutes M``) draws new ones."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers.exactness import Case, Data, cases, check_case
+
+EXAMPLES = int(os.environ.get("WDSDIST_EXACTNESS_EXAMPLES", "30"))
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(case=cases(), data=st.data())
+def test_the_loader_keeps_its_promise_on_random_layouts(case: Case, data: st.DataObject) -> None:
+    with tempfile.TemporaryDirectory(prefix="exactness-") as root:
+        check_case(case, lambda n: data.draw(st.integers(0, n), label="checkpoint after"), Path(root))
+
+
+def case(data: tuple, batch: int, layouts: tuple, **kw) -> Case:
+    base = dict(buffer=0, remainder="pad", mode="epoch", split="samples", mix="sample", seed=0, epoch_samples=None)
+    return Case(data=data, batch=batch, layouts=layouts, **(base | kw))
+
+
+FOUND = {
+    # the issue's first break: 3 workers, a checkpoint after 11 batches (mid-rotation), same layout
+    "a same-layout resume mid-rotation": (case((Data((37, 41, 29)),), 4, ((2, 3), (2, 3))), [11]),
+    # stratified batches count the stretches they made: a resumed worker's next batch is the next stretch's
+    "stratified resumed mid-epoch": (
+        case(
+            (Data((1, 1, 1)), Data((1,), "weight", 0.1)), 1, ((1, 0), (1, 0)), mix="stratified", seed=2, epoch_samples=4
+        ),
+        [1],
+    ),  # fmt: skip
+    # stratified in repeat mode: an epoch's left-over rows are its last batches, never the next one's
+    "stratified across an epoch's end": (
+        case(
+            (Data((1,)), Data((1, 1)), Data((1,), "weight", 0.1)),
+            1,
+            ((1, 0),),
+            buffer=3,
+            mode="repeat",
+            mix="stratified",
+            epoch_samples=51,
+        ),
+        [],
+    ),  # fmt: skip
+    "stratified across an epoch's end, 3 workers": (
+        case(
+            (Data((15,)), Data((1, 5), "repeat", 0.5), Data((1,), "weight", 0.1)),
+            2,
+            ((1, 3),),
+            buffer=9,
+            mode="repeat",
+            mix="stratified",
+            epoch_samples=137,
+        ),
+        [],
+    ),  # fmt: skip
+    # the issue's second break: mix padding delivered before an elastic resume
+    "mix padding before an elastic resume": (
+        case(
+            (Data((50, 60), "weight", 0.6), Data((40,), "weight", 0.3), Data((30,), "weight", 0.1)),
+            8,
+            ((2, 2), (3, 2)),
+            buffer=100,
+            seed=8,
+            epoch_samples=101,
+        ),
+        [3],
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize(("name"), list(FOUND))
+def test_the_cases_the_randomized_test_found(name: str) -> None:
+    found, draws = FOUND[name]
+    steps = iter(draws)
+    with tempfile.TemporaryDirectory(prefix="exactness-") as root:
+        check_case(found, lambda n: min(next(steps), n), Path(root))
