@@ -10,11 +10,18 @@
 
 from __future__ import annotations
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+import sys
 
-from wdsdist.train import config
+try:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    from wdsdist.train import config
+except ImportError as exc:  # an install without the trainer's extra
+    extra = "pip install 'wds-distributed[train]'"
+    print(f"error: train.py needs the trainer's packages: {extra} ({exc})", file=sys.stderr)
+    sys.exit(2)
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)

@@ -17,9 +17,12 @@ import torch
 import webdataset as wds
 
 from wdsdist.data.sources.index import index_path, write_index
+from wdsdist.errors import console_logging
 from wdsdist.tools import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
+# The library only logs; the tests read its messages as the tools print them (wdsdist.errors).
+console_logging()
 
 # One intra-op thread per torch process, here and in every process a test starts (they inherit
 # the environment): the suite runs a pytest worker per core, each starting trainers and loader

@@ -115,13 +115,75 @@ def requirement_names(requires: list[str], extra: str | None = None) -> set[str]
     return found
 
 
-def test_no_test_tool_is_a_runtime_dependency_but_the_test_extra_has_them(installed):
+# What pip install wds-distributed leaves out, each in the extra that brings it.
+EXTRAS = {
+    "train": {"hydra-core", "omegaconf", "tensorboard", "tqdm"},
+    "s3": {"boto3", "botocore", "urllib3"},
+    "plot": {"matplotlib"},
+    "lightning": {"pytorch-lightning"},
+}
+
+
+def test_the_install_is_the_loader_and_its_tools_and_each_extra_brings_its_part(installed):
     probe, _, _ = installed
     runtime = requirement_names(probe["requires"])
-    assert {"torch", "torchvision", "webdataset"} <= runtime
-    assert not runtime & TEST_TOOLS and "pytorch-lightning" not in runtime
-    assert requirement_names(probe["requires"], "lightning") == {"pytorch-lightning"}
-    assert TEST_TOOLS <= requirement_names(probe["requires"], "test")
+    assert runtime == {"torch", "torchvision", "webdataset", "braceexpand", "pillow", "numpy", "tqdm"}
+    for extra, names in EXTRAS.items():
+        assert requirement_names(probe["requires"], extra) == names, extra
+    assert requirement_names(probe["requires"], "all") == {"wds-distributed"}  # [train,s3,plot,lightning]
+    assert TEST_TOOLS <= requirement_names(probe["requires"], "test") and not runtime & TEST_TOOLS
+
+
+# Run by the installed venv's python as if the extras were not installed: their packages cannot
+# be imported (the venv sees the project environment's, which has them all).
+LEAN = """
+import sys
+for name in ("hydra", "omegaconf", "tensorboard", "matplotlib", "boto3", "botocore", "pytorch_lightning"):
+    sys.modules[name] = None
+"""
+
+
+def lean(installed, tmp_path: Path, *argv: str, module: bool = False) -> subprocess.CompletedProcess:
+    """A console script of the install (or ``python -m``), run without the extras' packages."""
+    _, purelib, cache = installed
+    blocker = tmp_path / "blocker"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(LEAN)
+    bin_dir = purelib.parents[2] / "bin"
+    cmd = [str(bin_dir / "python"), "-m", *argv] if module else [str(bin_dir / argv[0]), *argv[1:]]
+    env = clean_env(XDG_CACHE_HOME=str(cache), PYTHONPATH=str(blocker))
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_without_extras_the_tools_make_shards_and_the_loader_reads_them(installed, tmp_path):
+    made = lean(installed, tmp_path, "wds-makeshards", "--synthetic", "300", "--shards", "shards", "--size", "32")
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert "wrote 1 shards, 300 samples" in made.stdout
+    helped = lean(installed, tmp_path, "wds-simdist", "--help")
+    assert helped.returncode == 0 and "wds-simdist --plan" in helped.stdout
+    planned = lean(installed, tmp_path, "wdsdist.simdist", "--plan", "--nshards", "20", "--size", "2", module=True)
+    assert planned.returncode == 0 and "SUCCESS" in planned.stdout, planned.stderr[-2000:]
+    code = (
+        "from wdsdist.data import Loader, LoaderConfig\n"
+        "cfg = LoaderConfig(batch_size=50, workers=1, mode='epoch', image_size=16)\n"
+        "print(sum(len(b['label']) for b in Loader('shards/synthetic-train.index.json', cfg)))\n"
+    )
+    read = lean(installed, tmp_path, "-c", code, module=True)
+    assert read.returncode == 0 and read.stdout.split() == ["300"], read.stderr[-2000:]
+
+
+S3_LOADER = "from wdsdist.data import Loader, LoaderConfig; Loader('s3://b/k-{0..3}.tar', LoaderConfig(batch_size=2))"
+EXTRA_LINES = [
+    (("-c", S3_LOADER), "s3://b/k-0.tar: s3:// shards need boto3: pip install 'wds-distributed[s3]'"),
+    (("wdsdist.simdist", "--plan", "--plot", "x.png"), "needs matplotlib: pip install 'wds-distributed[plot]'"),
+    (("-c", "import wdsdist.lightning"), "needs PyTorch Lightning: pip install 'wds-distributed[lightning]'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), EXTRA_LINES, ids=["s3", "plot", "lightning"])
+def test_a_feature_used_without_its_extra_names_the_extra_in_one_line(installed, tmp_path, argv, line):
+    proc = lean(installed, tmp_path, *argv, module=True)
+    assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def pins(path: Path) -> dict[str, Requirement]:
@@ -148,9 +210,11 @@ def test_the_pins_lie_in_pyprojects_ranges():
     first = next(ln for ln in (ROOT / "requirements-dev.txt").read_text().splitlines() if ln and ln[0] != "#")
     assert first.split() == ["-r", "requirements.txt"]
     assert not runtime.keys() & TEST_TOOLS and TEST_TOOLS <= dev.keys()
+    # requirements.txt: the loader, its tools and the trainer with every extra it runs (not Lightning);
     # requirements-dev.txt may pin more than the extras name (tools that are neither run time nor test).
+    image = ranges(project["dependencies"] + extras["train"] + extras["s3"] + extras["plot"])
     for want, have, exact in [
-        (ranges(project["dependencies"]), runtime, True),
+        (image, runtime, True),
         ({**ranges(extras["test"]), **ranges(extras["lightning"])}, dev, False),
     ]:
         assert want.keys() == have.keys() if exact else want.keys() <= have.keys()

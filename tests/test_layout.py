@@ -268,14 +268,32 @@ def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 
 def test_only_errors_stays_at_the_top() -> None:
-    """And the Lightning DataModule (DESIGN.md), which nothing in the package imports: it is
-    imported only where it is used, so the loader never pulls Lightning in."""
+    """And the Lightning DataModule, which nothing in the package imports: it is imported only
+    where it is used, so the loader never pulls Lightning in."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "errors.py", "lightning.py"]
     users = sorted(
         str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "wdsdist.lightning" in imported_modules(p)
     )
     assert users == []
+
+
+LIBRARY_FILES = sorted((PACKAGE / "data").rglob("*.py")) + [PACKAGE / "lightning.py"]
+
+
+@pytest.mark.parametrize("path", LIBRARY_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_library_logs_and_never_prints(path: Path) -> None:
+    """A program that uses the loader routes its messages (logging.getLogger(__name__)); only the
+    trainer and the tools choose a format (wdsdist.errors.console_logging)."""
+
+    def prints(call: ast.Call) -> bool:
+        if isinstance(call.func, ast.Name):
+            return call.func.id == "print"
+        return isinstance(call.func, ast.Attribute) and call.func.attr == "write" and "std" in ast.unparse(call.func)
+
+    tree = ast.parse(path.read_text())
+    calls = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and prints(node)]
+    assert calls == [], f"{path.relative_to(ROOT)} prints at lines {calls}: log instead (logging.getLogger(__name__))"
 
 
 def test_jpegcrop_builds_into_the_repository_build_dir(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -150,7 +150,7 @@ def test_makeshards_index_of_an_s3_spec_uploads_it_and_simdist_reads_it(store, t
     desc = json.loads(body)
     assert desc["shardlist"] == [{"url": f"train-{i:06d}.tar", "nsamples": 24} for i in range(4)]
     # A local --output keeps the objects' full URLs (in-process: one torch start-up less).
-    import makeshards
+    from wdsdist.tools import makeshards
 
     local = tmp_path / "made.index.json"
     s3open.reset_clients()  # AWS_ENDPOINT_URL is read when a client is made

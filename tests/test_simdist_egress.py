@@ -4,21 +4,15 @@ small layouts worked out by hand, then a layout too big to run, through simdist.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import simdist as simdist_cli  # noqa: E402  (the top-level script)
-from tests.helpers.simdist import run_main  # noqa: E402
-from wdsdist import simdist  # noqa: E402
-from wdsdist.data.plan.order import shard_order  # noqa: E402
-from wdsdist.errors import UserError  # noqa: E402
+from tests.helpers.simdist import run_main
+from wdsdist import simdist
+from wdsdist.data.plan.order import shard_order
+from wdsdist.errors import UserError
+from wdsdist.simdist import cli as simdist_cli
 
 
 def egress(counts, shard_bytes=100, **kw):

@@ -5,25 +5,19 @@ mode runs the loader and finds the plan's counts; a bad token is one line naming
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import simdist as simdist_cli  # noqa: E402  (the top-level script)
-from tests.conftest import run_script  # noqa: E402
-from tests.helpers.simdist import run_main  # noqa: E402
-from wdsdist import simdist  # noqa: E402
-from wdsdist.data import Loader, LoaderConfig, Source  # noqa: E402
-from wdsdist.data.plan.mix import MixEpoch, coverage, epoch_total, windows  # noqa: E402
-from wdsdist.data.plan.splits import rank_batches  # noqa: E402
-from wdsdist.errors import UserError  # noqa: E402
+from tests.conftest import run_script
+from tests.helpers.simdist import run_main
+from wdsdist import simdist
+from wdsdist.data import Loader, LoaderConfig, Source
+from wdsdist.data.plan.mix import MixEpoch, coverage, epoch_total, windows
+from wdsdist.data.plan.splits import rank_batches
+from wdsdist.errors import UserError
+from wdsdist.simdist import cli as simdist_cli
 
 SHARDS = {"big": [13, 7, 10, 5], "small": [4, 5], "tiny": [3]}
 

@@ -3,18 +3,11 @@ stated padding (or drop), in plan and in real mode, and plans at scale from arit
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import simdist  # noqa: E402  (the top-level script)
-from tests.helpers.simdist import ranks, run_main  # noqa: E402
-from wdsdist.errors import UserError  # noqa: E402
+from tests.helpers.simdist import ranks, run_main
+from wdsdist.errors import UserError
+from wdsdist.simdist import cli as simdist
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
-"""The one error type that reaches the user as a single line."""
+"""The one error type that reaches the user as a single line, and how the command-line tools
+print (the library itself only logs, through ``logging``, and raises)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -26,8 +28,38 @@ def die(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+class ConsoleHandler(logging.Handler):
+    """Each message one line on stderr, as the tools print their own: ``warning: ...``,
+    ``note: ...`` (info), ``error: ...``; debug lines (shard traces) bare. It writes to
+    ``sys.stderr`` as it is when the message comes, so a redirection made later is followed."""
+
+    PREFIX = {logging.DEBUG: "", logging.INFO: "note: ", logging.WARNING: "warning: ", logging.ERROR: "error: "}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            prefix = self.PREFIX.get(record.levelno, "error: " if record.levelno > logging.ERROR else "")
+            sys.stderr.write(f"{prefix}{record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 (logging's own way to report a failed write)
+            self.handleError(record)
+
+
+def console_logging(level: int = logging.INFO) -> None:
+    """The tools' format for the package's messages (``logging.getLogger("wdsdist")``): one
+    ``ConsoleHandler``, installed once, the messages kept from the root logger's handlers so a
+    line is never printed twice. A program that uses the loader as a library leaves this out and
+    routes the messages its own way."""
+    logger = logging.getLogger("wdsdist")
+    if not any(isinstance(h, ConsoleHandler) for h in logger.handlers):
+        logger.addHandler(ConsoleHandler())
+    logger.setLevel(level)
+    logger.propagate = False
+
+
 def run_cli(main: Callable[[], int | None]) -> NoReturn:
-    """Run a command-line entry point; a UserError becomes one line and exit 2."""
+    """Run a command-line entry point: the package's messages in the tools' format, and a
+    UserError one line and exit 2."""
+    console_logging()
     try:
         rc = main()
     except UserError as exc:

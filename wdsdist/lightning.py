@@ -37,11 +37,16 @@ Use ``Trainer(use_distributed_sampler=False)``: the loader splits the data itsel
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-import pytorch_lightning as pl
+try:
+    import pytorch_lightning as pl
+except ImportError as exc:  # the install without the extra
+    raise ImportError(
+        f"wdsdist.lightning needs PyTorch Lightning: pip install 'wds-distributed[lightning]' ({exc})"
+    ) from None
 
 from wdsdist.data import (
     EvalLoader,
@@ -56,6 +61,7 @@ from wdsdist.data import (
 )
 
 STATE_KEY = "loader"
+log = logging.getLogger(__name__)
 
 
 class WdsDataModule(pl.LightningDataModule):
@@ -99,11 +105,9 @@ class WdsDataModule(pl.LightningDataModule):
         if trainer is None or trainer.reload_dataloaders_every_n_epochs == 1:
             return
         if trainer.global_rank == 0:
-            print(
-                "note: the resumed epoch has its own length (resumed on another number of devices): "
-                "setting Trainer(reload_dataloaders_every_n_epochs=1) so that Lightning reads each epoch's len()",
-                file=sys.stderr,
-                flush=True,
+            log.info(
+                "the resumed epoch has its own length (resumed on another number of devices): "
+                "setting Trainer(reload_dataloaders_every_n_epochs=1) so that Lightning reads each epoch's len()"
             )
         trainer.reload_dataloaders_every_n_epochs = 1
 

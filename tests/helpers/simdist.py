@@ -1,16 +1,11 @@
-"""simdist.py in-process: its main() and what its report says per rank."""
+"""simdist in-process: its main() (wdsdist/simdist/cli.py, what simdist.py runs) and what its
+report says per rank."""
 
 from __future__ import annotations
 
 import re
-import sys
 
-from tests.conftest import ROOT
-
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import simdist  # noqa: E402  (the top-level script)
+from wdsdist.simdist import cli as simdist
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ rank 0's copy only, and because a resume on another number of ranks or workers n
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -32,6 +32,8 @@ from wdsdist.data.plan.restore import Resize, Restored
 from wdsdist.data.plan.splits import Plan
 from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
+
+log = logging.getLogger(__name__)
 
 ShardSpec = str | Sequence[str] | Sequence[Shard]
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -229,8 +231,8 @@ class Loader:
         self._restored, self.mix, self.steps = restored, restored.mix, restored.steps
         self._inner, self._stream = None, None
         if self.rank == 0:
-            for line in restored.notes:
-                print(line, file=sys.stderr, flush=True)
+            for level, line in restored.notes:
+                log.log(level, "%s", line)
 
 
 class EvalLoader:

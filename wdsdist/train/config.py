@@ -29,7 +29,7 @@ from omegaconf.errors import (
 )
 
 from wdsdist.data import LoaderMode, SampleOptions, StreamOptions, option_problems
-from wdsdist.errors import DataError, JobError, UserError, die
+from wdsdist.errors import DataError, JobError, UserError, console_logging, die
 
 
 class OptimName(Enum):
@@ -413,6 +413,7 @@ def run_hydra(main: Callable[[], Any]) -> None:
     prints it.
     """
     debug = _full_traces[0] = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    console_logging()  # the loader's messages, one line each, as the trainer prints its own
     try:
         sys.argv[1:] = shard_argv(sys.argv[1:])
     except UserError as exc:

@@ -42,8 +42,8 @@ bench/results/2026-11-24-peers.md).
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -69,6 +69,8 @@ from wdsdist.data.sources import cache, opener, shardspec
 from wdsdist.data.sources.index import count_samples
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- the rank's loader
 
@@ -213,7 +215,7 @@ def ready_config(cfg: LoaderConfig, rank: int) -> LoaderConfig:
         lib = jpegcrop.load()
         if isinstance(lib, str):
             if rank == 0:
-                print(f"note: {lib}; decoding whole JPEGs (slower)", file=sys.stderr, flush=True)
+                log.info("%s; decoding whole JPEGs (slower)", lib)
             cfg = replace(cfg, decode_region=False)
     if cfg.cache_dir is not None:
         limit = cache.prepare(cfg.cache_dir, cfg.cache_limit)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +48,8 @@ from wdsdist.data.sources.spanread import read_span
 from wdsdist.data.tar.lateread import read_late
 from wdsdist.data.tar.tarread import tar_samples
 from wdsdist.errors import DataError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
@@ -315,7 +317,7 @@ class ShardStream(IterableDataset):
         ``opened()`` is called once the shard is open (its first sample read) or has failed:
         read-ahead starts on the next shards then, not against this one."""
         if self.cfg.trace:
-            print(f"rank {self.rank} worker {worker} open  {url}", file=sys.stderr, flush=True)
+            log.debug("rank %d worker %d open  %s", self.rank, worker, url)
         try:
             yield from _opening(read(), opened)
         except StoreDown as exc:
@@ -330,7 +332,7 @@ class ShardStream(IterableDataset):
             bad[1] += 1
             bad.append(url)
         if self.cfg.trace:
-            print(f"rank {self.rank} worker {worker} close {url}", file=sys.stderr, flush=True)
+            log.debug("rank %d worker %d close %s", self.rank, worker, url)
 
     def __iter__(self) -> Iterator[dict]:
         """In epoch mode (and with the cross-worker shuffle), one epoch; in repeat and resampled

@@ -9,9 +9,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import signal
 import sys
+
+log = logging.getLogger(__name__)
 
 _warned = [0]
 _malloc_pinned = [False]
@@ -39,9 +42,9 @@ def warn_skip(error: Exception, limit: int = 20) -> None:
     """One line per skipped shard or sample, up to ``limit`` per worker; they are all counted."""
     _warned[0] += 1
     if _warned[0] <= limit:
-        print(f"warning: skipped: {error}", file=sys.stderr, flush=True)
+        log.warning("skipped: %s", error)
     elif _warned[0] == limit + 1:
-        print("warning: more skipped samples; counts go on in the logs", file=sys.stderr, flush=True)
+        log.warning("more skipped samples; counts go on in the logs")
 
 
 def worker_init(worker_id: int) -> None:

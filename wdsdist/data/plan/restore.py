@@ -21,6 +21,7 @@ Pure: numbers in, numbers out; every rank computes the same from the same checkp
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -98,7 +99,7 @@ class Restored:
     ``orders``: epochs read in another layout's shard order; ``seed``: a reseeded stream's;
     ``mix``: the sources to read with; ``steps``, ``before_resume``, ``resume_epoch``: the run's
     steps, and the batches of ``resume_epoch`` delivered before an elastic resume; ``notes``:
-    lines to say once (rank 0)."""
+    (logging level, line) to say once (rank 0)."""
 
     point: ResumePoint | None = None
     batches: int = 0
@@ -111,7 +112,7 @@ class Restored:
     steps: int = 0
     before_resume: int = 0
     resume_epoch: int = -1
-    notes: tuple[str, ...] = ()
+    notes: tuple[tuple[int, str], ...] = ()
 
 
 def restore(
@@ -145,8 +146,8 @@ def restore(
             f"{what}: loader.mode=epoch resumes on another layout only with loader.split=samples "
             f"(with split=shards: the same ranks and workers)"
         )
-    line = f"warning: {what}: the loader starts a fresh, reseeded stream (loader.split=samples would resume it exactly)"
-    return replace(base, seed=cfg.seed + saved.steps, notes=(*notes, line))
+    line = f"{what}: the loader starts a fresh, reseeded stream (loader.split=samples would resume it exactly)"
+    return replace(base, seed=cfg.seed + saved.steps, notes=(*notes, (logging.WARNING, line)))
 
 
 def _same_layout(
@@ -283,7 +284,7 @@ def _check_data(first: RankState, counts: Sequence[int] | None, nshards: int, wh
     raise UserError(f"{where} was saved over other shards ({old} then, {new} now){same}: resume on the same shards")
 
 
-def _carried_mix(saved: LoaderState, mix: Mix | None, where: str) -> tuple[Mix | None, tuple[str, ...]]:
+def _carried_mix(saved: LoaderState, mix: Mix | None, where: str) -> tuple[Mix | None, tuple[tuple[int, str], ...]]:
     """The sources a resume reads with: the checkpoint's mix going on (its origin), or new
     weights from the epoch it ended (a curriculum, said in one line); other changes refused."""
     state = saved.first.mix
@@ -293,11 +294,11 @@ def _carried_mix(saved: LoaderState, mix: Mix | None, where: str) -> tuple[Mix |
         raise UserError(f"{where} was saved reading several data sets ({state.sources}): give the same sources")  # type: ignore[union-attr]
     if state is None:
         raise UserError(f"{where} was saved reading one data set: resume it without data.sources")
-    notes: tuple[str, ...] = ()
+    notes: tuple[tuple[int, str], ...] = ()
     if state.spec is not None:
         boundary = not any(r is not None and (r.point.workers or r.batches) for r in saved.ranks)
         mix, line = carry_over(state.spec, state.digest, mix, saved.first.point.epoch, boundary, where)
-        notes = (line,) if line is not None else ()
+        notes = ((logging.INFO, line),) if line is not None else ()
     if state.digest not in (mix.digest(), mix.previous):
         changed = differences(state.sources, mix.describe())
         raise UserError(

@@ -46,15 +46,17 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import os
 import re
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, fields, replace
 from typing import IO, Any
 
 from wdsdist.data.sources.retry import describe
+
+log = logging.getLogger(__name__)
 
 # One module, though long: its parts (entry names, the lock files and the order they are taken
 # in, the part files, eviction, read-ahead's pins, the counts) are one on-disk protocol that
@@ -150,7 +152,7 @@ def warn_once(folder: str, cause: str, message: str) -> None:
         if (folder, cause) in _warned:
             return
         _warned.add((folder, cause))
-    print(f"warning: shard cache {folder} (loader.cache_dir): {message}", file=sys.stderr, flush=True)
+    log.warning("shard cache %s (loader.cache_dir): %s", folder, message)
 
 
 def prepare(folder: str, limit: int | None) -> int | None:

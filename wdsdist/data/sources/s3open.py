@@ -23,6 +23,7 @@ fork, so each DataLoader worker makes its own on first use (nothing here is pick
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import posixpath
@@ -32,6 +33,7 @@ from typing import Any
 
 from wdsdist.data.sources.httpopen import DEFAULT_MIN_RATE, Meter
 from wdsdist.data.sources.retry import Unavailable
+from wdsdist.errors import UserError
 
 SCHEMES = ("s3", "gs")
 GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -101,6 +103,14 @@ def folder_url(url: str) -> str:
     return f"{scheme}://{bucket}/{folder}/" if folder else f"{scheme}://{bucket}/"
 
 
+def require_boto3(url: str) -> None:
+    """Refuse, in one line naming the extra that brings it, an s3:// or gs:// URL on an install
+    without boto3 (``pip install wds-distributed`` leaves it out)."""
+    if importlib.util.find_spec("boto3") is None:
+        scheme = url.split("://", 1)[0]
+        raise UserError(f"{url}: {scheme}:// shards need boto3: pip install 'wds-distributed[s3]'")
+
+
 def reset_clients() -> None:
     """Forget this process's clients (credentials or endpoints changed, as in tests)."""
     with _lock:
@@ -112,6 +122,7 @@ def _client(scheme: str, endpoint_url: str | None, timeout: float) -> Any:
         key = (scheme, endpoint_url, timeout)
         client = _clients.get(key)
         if client is None:
+            require_boto3(f"{scheme}://")
             import boto3
             from botocore.config import Config
 

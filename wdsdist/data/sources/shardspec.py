@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import glob
 import json
+import logging
 import os
 import re
 import stat
@@ -29,6 +30,8 @@ from wdsdist.data.sources import httpopen, s3open
 from wdsdist.data.sources.opener import Access, is_http, is_remote, read_capped
 from wdsdist.data.tar.tarread import is_tar_header
 from wdsdist.errors import UserError
+
+log = logging.getLogger(__name__)
 
 MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack
 # Sample offsets an index may hold in all: one for every sample of ImageNet's 1.28 M (16 MB packed
@@ -196,13 +199,12 @@ def _check_fits(where: str, url: str, path: str, n: int) -> None:
     except OSError:
         return
     if is_tar_header(head):
-        print(
-            f"warning: {where}: {url!r}: nsamples {n} cannot fit in its {size} bytes (each sample takes at "
-            f"least one {_BLOCK}-byte tar header: at most {size // _BLOCK}): the shard is cut short or the index "
-            f"stale (rewrite it: makeshards.py --index SHARDS); what it lacks is skipped and counted",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(
+            "%s: %r: nsamples %d cannot fit in its %d bytes (each sample takes at least one %d-byte tar header: "
+            "at most %d): the shard is cut short or the index stale (rewrite it: makeshards.py --index SHARDS); "
+            "what it lacks is skipped and counted",
+            where, url, n, size, _BLOCK, size // _BLOCK,
+        )  # fmt: skip
 
 
 def _is_int(value: object) -> bool:
@@ -257,12 +259,11 @@ def read_index_shards(index_url: str, access: Access | None = None) -> list[Shar
     # Counted before any table is packed, so an index's offsets never cost more than the cap.
     held = sum(len(e["offsets"].get("at") or ()) for e in entries if isinstance(e, dict) and _table(e))
     if held > MAX_INDEX_OFFSETS:
-        print(
-            f"warning: {index_url}: {held} sample offsets, more than the {MAX_INDEX_OFFSETS} an index may hold; "
-            f"reading without them (shards are read from their start; a larger makeshards.py --offset-every "
-            f"makes a smaller table)",
-            file=sys.stderr,
-        )
+        log.warning(
+            "%s: %d sample offsets, more than the %d an index may hold; reading without them (shards are read "
+            "from their start; a larger makeshards.py --offset-every makes a smaller table)",
+            index_url, held, MAX_INDEX_OFFSETS,
+        )  # fmt: skip
         entries = [{k: v for k, v in e.items() if k != "offsets"} if isinstance(e, dict) else e for e in entries]
     shards = [_entry(index_url, i, e, access) for i, e in enumerate(entries)]
     if not shards:
@@ -305,7 +306,7 @@ def _expand_one(spec: str, strict: bool, access: Access) -> list[Shard]:
         message = f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}"
         if strict:
             raise UserError(message)
-        print(f"warning: {message}; going on without them", file=sys.stderr)
+        log.warning("%s; going on without them", message)
     return shards
 
 
@@ -340,6 +341,7 @@ def check_credentials(shards: Sequence[Shard]) -> None:
     first = next((s.url for s in shards if s3open.is_object_url(s.url)), None)
     if first is None:
         return
+    s3open.require_boto3(first)
     try:
         s3open.check_credentials(first)
     except OSError as exc:

@@ -1,0 +1,162 @@
+"""wds-makeshards (makeshards.py in a clone; python -m wdsdist.tools.makeshards): write WebDataset
+shards plus an index of sample counts.
+
+  wds-makeshards --source /data/imagenet/train --shards /data/shards --prefix imagenet-train
+  wds-makeshards --synthetic 2000 --shards data/synth --prefix synth-train
+  wds-makeshards --synthetic 500 --split val --shards data/synth --prefix synth-val
+  wds-makeshards --index 'data/other-{000000..000009}.tar'
+  wds-makeshards --index 's3://bucket/train/shard-{000000..000099}.tar' --output s3://bucket/train/train.index.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from tqdm import tqdm
+
+from wdsdist.data.sources import s3open, shardspec
+from wdsdist.data.sources.index import (
+    HTTP_TIMEOUT,
+    OFFSET_EVERY,
+    count_samples,
+    index_bytes,
+    index_desc,
+    local_sample_offsets,
+    write_index,
+)
+from wdsdist.errors import CliParser, UserError, integer, run_cli
+from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--source", help="ImageFolder tree: SOURCE/CLASS/IMAGE")
+    src.add_argument("--synthetic", type=integer(1), metavar="N", help="N images of the built-in synthetic set")
+    src.add_argument("--index", metavar="SHARDSPEC", help="write only the index for existing shards")
+    p.add_argument("--shards", default="data/shards", help="output folder (default: %(default)s)")
+    p.add_argument("--prefix", help="shard name prefix (default: the source folder's name, or synthetic-SPLIT)")
+    p.add_argument("--maxcount", type=integer(1), default=1000, help="samples per shard (default: %(default)s)")
+    p.add_argument("--maxsize", type=integer(1), default=1 << 30, help="bytes per shard (default: 1 GiB)")
+    p.add_argument("--seed", type=int, default=0, help="sample order (ImageFolder) or drawing seed (synthetic)")
+    p.add_argument("--split", choices=["train", "val"], default="train", help="synthetic split (default: train)")
+    p.add_argument("--size", type=integer(1), default=64, help="synthetic image size in pixels (default: 64)")
+    p.add_argument("--quality", type=integer(1), default=90, help="synthetic JPEG quality (default: 90)")
+    p.add_argument(
+        "--offset-every",
+        type=integer(0),
+        default=OFFSET_EVERY,
+        metavar="K",
+        help="index the byte offset of every K-th sample of plain tar shards, for reads from mid-shard "
+        "(0: none; default: %(default)s)",
+    )
+    p.add_argument(
+        "--output",
+        help="with --index: the index file, or an s3:// or gs:// URL to upload it to (default: beside the first shard)",
+    )
+    p.add_argument("--allow-pipe", action="store_true", help="with --index: open pipe: shards (a shell command)")
+    return p.parse_args(argv)
+
+
+def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
+    access = shardspec.Access(allow_pipe=allow_pipe)
+    shards = shardspec.expand(spec, access=access)
+    shardspec.refuse_pipes(shards, access)  # counting opens every shard
+    shardspec.check_credentials(shards)
+    first = shards[0].url
+    name = re.sub(r"[-_.]?\d+$", "", os.path.basename(first).split(".")[0]) or "shards"
+    if output is None:
+        if shardspec.is_remote(first):
+            raise UserError("--index of remote shards needs --output FILE (or an s3:// or gs:// URL to upload it to)")
+        output = os.path.join(os.path.dirname(first), f"{name}.index.json")
+    upload = s3open.is_object_url(output)
+    if upload:
+        try:
+            s3open.split(output)
+        except ValueError as exc:
+            raise UserError(f"--output {exc}") from None
+        if not shardspec.is_index(output):
+            raise UserError(f"--output {output}: an index's name ends in .json (readers know it by that)")
+        local = next((s.url for s in shards if not s3open.is_object_url(s.url)), None)
+        if local is not None:
+            raise UserError(f"--output {output}: an index in a bucket names objects, and {local} is not one")
+    elif not os.path.isdir(os.path.dirname(output) or "."):
+        raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
+    counts, offsets = [], []
+    for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0):
+        n = count_samples(s.url)
+        counts.append((s.url, n))
+        offsets.append(_offsets(s.url, n) if offset_every and os.path.isfile(s.url) else None)
+    if upload:
+        # One PUT after all counting: the object appears whole or not at all. Shards in its
+        # folder are named relative to it, so the bucket's index works wherever it is copied.
+        desc = index_desc(output, counts, offsets=offsets, offset_every=offset_every, name=name)
+        try:
+            s3open.put_bytes(output, index_bytes(desc), HTTP_TIMEOUT)
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot upload the index: {exc}") from None
+        home = s3open.bucket_url(output)
+        outside = [e["url"] for e in desc["shardlist"] if "://" in e["url"] and s3open.bucket_url(e["url"]) != home]
+    else:
+        desc = write_index(output, counts, offsets=offsets, offset_every=offset_every, name=name)
+        outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
+    if outside:
+        print(
+            f"note: {output} names shards outside its folder (first {outside[0]}); readers refuse that unless told "
+            f"to trust the index (train.py data.trust_index=true, simdist.py --trust-index)",
+            file=sys.stderr,
+        )
+    return desc | {"path": output}
+
+
+def _offsets(path: str, nsamples: int) -> list[int] | None:
+    """A local shard's sample offsets; None (with a note) where they would not match its count."""
+    offsets = local_sample_offsets(path)
+    if offsets is not None and len(offsets) != nsamples:
+        # tarfile's count and the loader's grouping disagree only on odd member names (a key
+        # whose file name starts with "__"): no table rather than one the reader would misplace.
+        print(
+            f"note: {path}: {len(offsets)} samples by the loader's grouping, {nsamples} counted; no offsets",
+            file=sys.stderr,
+        )
+        return None
+    return offsets
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Before anything is read or opened: outputs are local files, never pipe: commands or URLs.
+    if args.index is None:
+        check_local_output(args.shards, f"--shards {args.shards}")
+    elif args.output is not None and not s3open.is_object_url(args.output):
+        check_local_output(args.output, f"--output {args.output}")
+    if args.index:
+        desc = index_only(args.index, args.output, args.allow_pipe, args.offset_every)
+        print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
+        return 0
+    common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed, offset_every=args.offset_every)
+    if args.source:
+        prefix = args.prefix or os.path.basename(os.path.normpath(args.source))
+        desc = from_image_folder(args.source, args.shards, prefix, **common)
+    else:
+        prefix = args.prefix or f"synthetic-{args.split}"
+        desc = from_synthetic(
+            args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality, **common
+        )
+    where = os.path.join(args.shards, f"{prefix}.index.json")
+    skipped = f" ({desc['skipped_links']} symlinks out of --source not followed)" if desc.get("skipped_links") else ""
+    wrote = f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes"
+    print(f"{wrote} -> {where}{skipped}")
+    return 0
+
+
+def run() -> None:
+    """The console script: main() with one-line errors (wdsdist.errors.run_cli)."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    run()
