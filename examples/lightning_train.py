@@ -5,10 +5,14 @@
 
 Lightning starts the other processes itself (it runs this script again). Run it again with
 --resume CKPT_DIR/last.ckpt to go on from a checkpoint, on the same or another number of devices.
+Validation runs through DDP, so every device needs a validation shard: --val needs at least
+--devices shards.
 """
 
 import argparse
 import json
+import math
+import sys
 import warnings
 
 import pytorch_lightning as pl
@@ -18,24 +22,29 @@ import torch.nn.functional as F
 import torchvision
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from wdsdist.data import LoaderConfig
+from wdsdist.data import LoaderConfig, expand_shards
 from wdsdist.lightning import WdsDataModule
 
-p = argparse.ArgumentParser()
+
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The launch line above the options, each option's default beside it."""
+
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
 p.add_argument("shards", help="training shards: a directory, an index JSON, a brace pattern or URLs")
 p.add_argument("--val", help="validation shards (at least one per device)")
-p.add_argument("--devices", type=int, default=1)
+p.add_argument("--devices", type=int, default=1, help="processes, one per device")
 p.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
 p.add_argument("--mode", default="epoch", choices=["epoch", "repeat"], help="repeat: count --max-steps")
-p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--epochs", type=int, default=2, help="epochs to train")
 p.add_argument("--max-steps", type=int, default=-1, help="stop at this step (with a checkpoint if --save-every)")
-p.add_argument("--batch-size", type=int, default=64)
-p.add_argument("--image-size", type=int, default=32)
-p.add_argument("--num-classes", type=int, default=10)
-p.add_argument("--workers", type=int, default=2)
-p.add_argument("--lr", type=float, default=0.1)
-p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])
-p.add_argument("--ckpt-dir", default="lightning_ckpt")
+p.add_argument("--batch-size", type=int, default=64, help="per device")
+p.add_argument("--image-size", type=int, default=32, help="side of the training crops, in pixels")
+p.add_argument("--num-classes", type=int, default=10, help="classes (labels outside 0..N-1 are skipped)")
+p.add_argument("--workers", type=int, default=2, help="loader workers per device")
+p.add_argument("--lr", type=float, default=0.1, help="for a global batch of 256, scaled")
+p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"], help="cosine: 5 %% warmup, then down")
+p.add_argument("--ckpt-dir", default="lightning_ckpt", help="where checkpoints go")
 p.add_argument("--save-every", type=int, help="write CKPT_DIR/last.ckpt every N steps")
 p.add_argument("--resume", help="a checkpoint to go on from")
 p.add_argument("--trace", help="write each rank's batches (epoch, sample positions, ids) to TRACE.RANK.json")
@@ -82,12 +91,18 @@ class Classifier(pl.LightningModule):
         self.print(f"epoch {self.current_epoch}: top-1 {correct / max(seen, 1):.3f} on {int(seen)} samples")
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
+        lr = args.lr * args.batch_size * args.devices / 256
+        opt = torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
         if args.schedule == "constant":
             return opt
         # estimated_stepping_batches builds the train loader early: the DataModule resumes it anyway.
-        steps = self.trainer.estimated_stepping_batches
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(int(steps), 1))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = max(1, total // 20)  # 5 % of the steps, then cosine to 0
+
+        def factor(s: int) -> float:
+            return (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * min(1, (s - warmup) / total)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_train_end(self) -> None:
@@ -104,7 +119,10 @@ if __name__ == "__main__":
         image_size=args.image_size,
         num_classes=args.num_classes,
         workers=args.workers,
+        crop_scale=(0.35, 1.0),  # small images: keep most of each one
     )
+    if args.val and len(expand_shards(args.val, cfg)) < args.devices:
+        sys.exit(f"error: --val {args.val}: fewer shards than --devices {args.devices}; write more, smaller shards")
     data = WdsDataModule(args.shards, cfg, val_shards=args.val)
     checkpoints = [ModelCheckpoint(args.ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=args.save_every)]
     trainer = pl.Trainer(

@@ -4,6 +4,7 @@ epoch once plus the stated padding, and an interrupted run that resumes exactly.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ def ddp_loop(tmp: Path, index: Path, *extra: str) -> None:
         env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    (tmp / "out").write_text(result.stdout)
 
 
 def traces(tmp: Path) -> dict[int, list[dict]]:
@@ -84,3 +86,67 @@ def test_a_stopped_run_resumes_exactly_where_it_stopped(index, straight, tmp_pat
         rank_epoch0 = [p for e in both[r] if e["epoch"] == 0 for p in e["pos"]]
         assert rank_epoch0 == straight[r][0]["pos"]  # the rest of epoch 0, in the straight run's order
         assert [e["pos"] for e in both[r] if e["epoch"] == 1] == [straight[r][1]["pos"]]
+
+
+# ---------------------------------------------------------------- the examples learn
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> tuple[Path, Path]:
+    """The data the docs make (the built-in synthetic classes: 5 shapes x 2 colours), smaller:
+    1200 training and 400 validation images at 32 pixels, in shards of 300 and 200."""
+    root = tmp_path_factory.mktemp("synthetic")
+    for split, n, per in (("train", 1200, 300), ("val", 400, 200)):
+        proc = run_script(
+            "makeshards.py", "--synthetic", str(n), "--split", split, "--size", "32", "--maxcount", str(per),
+            "--shards", str(root), "--prefix", f"syn-{split}",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    return root / "syn-train.index.json", root / "syn-val.index.json"
+
+
+# 400 validation samples of 10 classes: by chance top-1 is 0.1 +- 0.015; 0.3 is 13 standard deviations off.
+ABOVE_CHANCE = 0.3
+SMALL = ("--epochs=4", "--batch-size=32", "--image-size=16")
+
+
+def test_the_ddp_loop_learns_well_above_chance_and_says_when_a_run_is_done(synthetic, tmp_path):
+    train, val = synthetic
+    ddp_loop(tmp_path, train, *SMALL, f"--val={val}")
+    out = (tmp_path / "out").read_text()
+    top1 = [float(x) for x in re.findall(r"val top-1 ([0-9.]+)", out)]
+    assert len(top1) == 4 and top1[-1] > ABOVE_CHANCE, out
+    ddp_loop(tmp_path, train, *SMALL, f"--val={val}")  # again: the checkpoint is at the end
+    again = (tmp_path / "out").read_text()
+    assert "is at epoch 4: the run is done (--epochs 4)" in again and "val top-1" not in again
+
+
+def test_the_lightning_example_learns_well_above_chance(synthetic, tmp_path):
+    train, val = synthetic
+    proc = run_script(
+        str(ROOT / "examples" / "lightning_train.py"), str(train), f"--val={val}", "--devices=2",
+        "--accelerator=cpu", "--workers=1", f"--ckpt-dir={tmp_path / 'ckpt'}", *SMALL,
+        cwd=tmp_path, env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    top1 = [float(x) for x in re.findall(r"epoch \d+: top-1 ([0-9.]+) on 400 samples", proc.stdout)]
+    assert len(top1) == 4 and top1[-1] > ABOVE_CHANCE, proc.stdout[-3000:]
+
+
+def test_a_val_set_with_fewer_shards_than_devices_is_one_line(synthetic, tmp_path):
+    train, val = synthetic
+    one = write_tiny_shards(tmp_path / "one", [5], prefix="one", size=16)
+    proc = run_script(
+        str(ROOT / "examples" / "lightning_train.py"), str(train), f"--val={one}", "--devices=2",
+        "--accelerator=cpu", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: --val {one}: fewer shards than --devices 2; write more, smaller shards"
+
+
+@pytest.mark.parametrize("example", ["ddp_loop.py", "lightning_train.py"])
+def test_an_examples_help_shows_its_launch_line_and_each_default(example):
+    proc = run_script(str(ROOT / "examples" / example), "--help")
+    assert proc.returncode == 0
+    launch = "torchrun --nproc_per_node=2 examples/ddp_loop.py" if example == "ddp_loop.py" else "--devices 2"
+    assert launch in proc.stdout and "(default: 2)" in proc.stdout and "(default: 32)" in proc.stdout
