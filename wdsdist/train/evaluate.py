@@ -136,6 +136,8 @@ class Evaluator:
         if self.dist.world > 1:
             share_buffers(self.model)
         t0 = time.perf_counter()
+        names = ", ".join("data.val_shards" if name is None else name for name in self.loaders)
+        self.report.line(f"evaluating at step {step}: {names}")
 
         def beat(phase: str) -> None:
             self.watchdog.beat(step, phase)

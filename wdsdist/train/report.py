@@ -30,6 +30,7 @@ class Reporter:
         self.main, self.steps = dist.is_main, steps
         self.bar = self.tb = self.log = None
         self.images_logged = False
+        self.since: tuple[float, int] | None = None  # (time, step) of the first step done: the ETA's base
         if not self.main:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -54,8 +55,18 @@ class Reporter:
             print(text, flush=True)
 
     def tick(self, step: int) -> None:
+        if self.since is None:
+            self.since = (time.perf_counter(), step)
+            self.line(f"step {step}: the first step is done; a line every trainer.log_every steps follows")
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
+
+    def eta(self, step: int) -> str:
+        """The time to the last step at the pace since the first (evaluations and checkpoints in it)."""
+        if self.since is None or step <= self.since[1]:
+            return ""
+        pace = (time.perf_counter() - self.since[0]) / (step - self.since[1])
+        return f" eta {fmt_time(pace * (self.steps - step))}"
 
     def progress(self, step: int, text: str) -> None:
         """A progress bar update in a terminal, else a plain line."""
@@ -80,14 +91,17 @@ class Reporter:
         self.images_logged = True
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
-        """A log line's metrics (``Window.reduce``) to TensorBoard and the progress line."""
-        self.scalars(step, values)
+        """A log line's metrics (``Window.reduce``) to TensorBoard and the progress line. The bad
+        data counters go to TensorBoard once one is not zero: a run with clean data opens on
+        its loss, not on three flat cards."""
         bad = (values["data/bad_samples"], values["data/bad_shards"], values["data/bad_shard_reads"])
+        self.scalars(step, {k: v for k, v in values.items() if any(bad) or not k.startswith("data/bad_")})
         self.progress(
             step,
             f"loss {values['train/loss']:.4f} acc {100 * values['train/acc']:.1f}% lr {values['train/lr']:.4g} "
             f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
-            + (f" skipped {skipped_text(*bad, ',')}" if bad[0] or bad[2] else ""),
+            + (f" skipped {skipped_text(*bad, ',')}" if bad[0] or bad[2] else "")
+            + ("" if self.bar is not None else self.eta(step)),  # tqdm shows its own
         )
 
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:

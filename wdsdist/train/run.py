@@ -120,7 +120,10 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
             console=False,
         )
     if run.steps > run.start:
-        report.line(f"startup {fmt_time(time.perf_counter() - run.started)}; training", console=False)
+        report.line(
+            f"startup {fmt_time(time.perf_counter() - run.started)}; training from step {run.start} to {run.steps} "
+            f"(the first batch comes once the loader's workers have started)"
+        )
 
 
 def report_epoch(run: Run, step: int, whole: bool = True) -> None:
