@@ -347,9 +347,9 @@ def repeat_count(full: list[list[m.Step]], through: int) -> int | None:
 # ---------------------------------------------------------------- the checks
 
 
-def check_steps(case: Case, seq: Sequence, shards: Shards, real: list[Got], want: list[m.Step], full: list[m.Step]):
-    """A rank's batches against the model's (``full``: all the model's batches of this part from
-    the same point, to tell a worker's epoch that the run did not finish)."""
+def check_steps(case: Case, seq: Sequence, shards: Shards, real: list[Got], want: list[m.Step], groups: Counter):
+    """A rank's batches against the model's (``groups``: every (worker, epoch, tag) the model's
+    workers read, in whole epochs, to hold shuffled batches to)."""
     assert len(real) == len(want), f"{len(real)} batches delivered, the model says {len(want)}"
     # Without a shuffle buffer each batch is the model's; mix=stratified makes a batch of each
     # source's rows together, and in a re-split epoch its own batches to the shares (test_mix)
@@ -372,17 +372,16 @@ def check_steps(case: Case, seq: Sequence, shards: Shards, real: list[Got], want
         for g in real
         for e, x in zip(g.epochs, g.labels if case.split == "shards" else g.tags, strict=True)
     )
-    model = Counter(
-        (w.worker, e, x) for w in want for e, x in zip(w.epochs or (w.epoch,) * len(w.tags), w.tags, strict=True)
-    )
-    rest = Counter((w.worker, e) for w in full[len(want) :] for e in (w.epochs or (w.epoch,)))
-    for (worker, epoch, x), n in rows.items():
-        assert n <= model[worker, epoch, x] or rest[worker, epoch], f"worker {worker} epoch {epoch}: {x} {n} times"
-    done = {(worker, epoch) for worker, epoch, _ in model} - set(rest)
-    for key in done:
-        got_ = Counter({x: n for (w, e, x), n in rows.items() if (w, e) == key})
-        want_ = Counter({x: n for (w, e, x), n in model.items() if (w, e) == key})
-        assert got_ == want_, f"worker {key[0]} epoch {key[1]}: {sorted(got_.elements())} != {sorted(want_.elements())}"
+    for (worker, epoch, x), n in rows.items():  # a shuffle reorders within a worker's epoch only
+        assert n <= groups[worker, epoch, x], (
+            f"worker {worker} epoch {epoch}: {x} {n} times, the model {groups[worker, epoch, x]}"
+        )
+    # where the model's batches so far hold a worker's whole epoch, the run's hold all of it too
+    size = Counter((w, e) for w, e, _ in groups.elements())
+    taken = Counter((w.worker, e) for w in want for e in (w.epochs or (w.epoch,) * len(w.tags)))
+    for key in (k for k, n in taken.items() if n == size[k]):
+        got = sum(n for (w, e, _), n in rows.items() if (w, e) == key)
+        assert got == size[key], f"worker {key[0]} epoch {key[1]}: {got} of its {size[key]} samples delivered"
 
 
 def check_coverage(case: Case, seq: Sequence, delivered: dict[int, list[int]], epochs: range) -> None:
@@ -436,11 +435,11 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 return "refused"
             raise AssertionError(f"the loader took {shape}, which leaves a worker without a batch")
         layout = next_layout(case, seq, layout, shape, delivered, steps_taken)
-        full, count, extra = [], None, 0
+        full, groups, count, extra = [], [], None, 0
         while count is None:  # repeat mode: a worker with little data runs many epochs ahead
             extra = 2 * extra or 3
             assert extra < 5000, "the model's streams never pass the horizon on every worker"
-            full = expected(case, seq, shards, layout, extra)
+            full, groups = expected(case, shards, layout, extra)
             count = len(full[0]) if case.mode == "epoch" else repeat_count(full, horizon(case, layout))
         count = max(0, count - len(layout.since[0]))  # what this layout delivered before is done
         last = index == len(case.layouts) - 1
@@ -456,7 +455,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
         for rank, run in enumerate(runs):
             # this layout's batches since it began, the ones before a same-layout resume included
             mine = layout.since[rank] + run.steps
-            check_steps(case, seq, shards, mine, full[rank][: len(mine)], full[rank])
+            check_steps(case, seq, shards, mine, full[rank][: len(mine)], groups[rank])
             assert len(run.steps) == count, f"rank {rank}: {len(run.steps)} batches, the model says {count}"
             if case.mode == "epoch":
                 check_lens(layout, run, full[rank])
@@ -517,20 +516,22 @@ def horizon(case: Case, layout: Layout_) -> int:
     return max(EPOCHS - 1, layout.part.start if layout.part is not None else 0)
 
 
-def expected(case: Case, seq: Sequence, shards: Shards, layout: Layout_, extra: int) -> list[list[m.Step]]:
+def expected(case: Case, shards: Shards, layout: Layout_, extra: int) -> tuple[list[list[m.Step]], list[Counter]]:
     """Every rank's batches from where this layout started, as the model says (repeat mode:
-    through ``extra`` epochs past the horizon)."""
-    shape, out = layout.shape, []
+    through ``extra`` epochs past the horizon), and what each of its workers reads per epoch."""
+    shape, out, groups = layout.shape, [], []
     through = horizon(case, layout) + (0 if case.mode == "epoch" else extra)
     for rank in range(shape.world):
         if layout.part is not None:
-            steps = layout.part.steps(rank, through)
-        else:
-            ids = [list(r) for r in shards.ids]
-            order = lambda mine, epoch: shard_order(mine, layout.seed, epoch, 1)  # noqa: E731
-            steps = m.shard_steps(ids, order, shape, rank, case.batch, range(through + 1))
-        out.append(steps)
-    return out
+            out.append(layout.part.steps(rank, through))
+            groups.append(layout.part.groups(rank, through))
+            continue
+        ids = [list(r) for r in shards.ids]
+        order = lambda mine, epoch: shard_order(mine, layout.seed, epoch, 1)  # noqa: E731
+        out.append(m.shard_steps(ids, order, shape, rank, case.batch, range(through + 1)))
+        rows = m.shard_rows(ids, order, shape, rank, range(through + 1))
+        groups.append(Counter((w, e, i) for w, worker in enumerate(rows) for e, i in worker))
+    return out, groups
 
 
 def check_lens(layout: Layout_, run: RankRun, full: list[m.Step]) -> None:

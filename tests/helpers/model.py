@@ -29,6 +29,7 @@ positions and epoch lengths, and the epoch's shard order.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -131,6 +132,18 @@ class Part:
     def batches(self, epoch: int) -> int:
         return self.epoch(epoch)[0]
 
+    def groups(self, rank: int, through: int) -> Counter:
+        """Each (worker, epoch, tag) the rank's workers read of epochs ``start`` .. ``through``, as
+        many times as they read it: a shuffle reorders within these, never across."""
+        return Counter(
+            (w, e, t)
+            for e in range(self.start, through + 1)
+            for (r, w), batches in self.epoch(e)[1].items()
+            if r == rank
+            for batch in batches
+            for t in batch
+        )
+
     def steps(self, rank: int, through: int) -> list[Step]:
         """Rank ``rank``'s batches from the part's start: epoch mode, the epochs through
         ``through``; repeat mode, as long as every worker's stream through ``through`` lasts."""
@@ -183,6 +196,23 @@ def resplit(
     return start, out
 
 
+def shard_rows(
+    shards: Sequence[Sequence[int]],
+    order: Callable[[Sequence[int], int], Sequence[int]],
+    shape: Shape,
+    rank: int,
+    epochs: range,
+) -> list[list[tuple[int, int]]]:
+    """split=shards, repeat mode: each worker's (epoch, sample id) rows over ``epochs``.
+    ``shards``: each shard's sample ids; ``order(shards, epoch)``: a worker's shards in the
+    epoch's order."""
+    mine = list(range(len(shards)))[rank :: shape.world]
+    return [
+        [(e, i) for e in epochs for s in order(mine[worker :: shape.nworkers], e) for i in shards[s]]
+        for worker in range(shape.nworkers)
+    ]
+
+
 def shard_steps(
     shards: Sequence[Sequence[int]],
     order: Callable[[Sequence[int], int], Sequence[int]],
@@ -191,12 +221,10 @@ def shard_steps(
     batch: int,
     epochs: range,
 ) -> list[Step]:
-    """split=shards, repeat mode: rank ``rank``'s batches over ``epochs``. ``shards``: each
-    shard's sample ids; ``order(shards, epoch)``: a worker's shards in the epoch's order."""
-    mine = list(range(len(shards)))[rank :: shape.world]
+    """split=shards, repeat mode: rank ``rank``'s batches over ``epochs``; a worker's batches run
+    on across epochs."""
     streams = []
-    for worker in range(shape.nworkers):
-        rows = [(e, i) for e in epochs for s in order(mine[worker :: shape.nworkers], e) for i in shards[s]]
+    for worker, rows in enumerate(shard_rows(shards, order, shape, rank, epochs)):
         chunks = [rows[i : i + batch] for i in range(0, len(rows) - batch + 1, batch)]
         streams.append([Step(c[0][0], worker, tuple(i for _, i in c), tuple(e for e, _ in c)) for c in chunks])
     return in_turn(streams, endless=True)
