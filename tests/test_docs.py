@@ -3,6 +3,8 @@ somewhere."""
 
 from __future__ import annotations
 
+import ast
+import html
 import importlib.util
 import os
 import re
@@ -47,6 +49,30 @@ def test_the_manual_builds_strictly(tmp_path):
     api = (tmp_path / "api" / "index.html").read_text()
     for name in ("loader.Loader", "loader.EvalLoader", "options.LoaderConfig", "delivery.pipeline.resolve_shards"):
         assert f'id="wdsdist.data.{name}"' in api, name  # the reference is rendered, not just a heading
+    # every option of LoaderConfig is explained there, from its docstring in data/options.py
+    text = " ".join(html.unescape(re.sub(r"<[^>]+>", "", api)).split())
+    for name, doc in option_docs().items():
+        words = " ".join(doc.replace("`", "").split()[:6])
+        assert words in text, f"LoaderConfig.{name}: {words!r} is not on the API page"
+
+
+def option_docs() -> dict[str, str]:
+    """Each field of LoaderConfig and its option groups, with the docstring that follows it."""
+    tree = ast.parse((ROOT / "wdsdist" / "data" / "options.py").read_text())
+    out = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name not in ("SampleOptions", "StreamOptions", "LoaderConfig"):
+            continue
+        body = cls.body
+        for field, after in zip(body, body[1:] + [None], strict=True):
+            if isinstance(field, ast.AnnAssign):
+                doc = (
+                    after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+                )
+                assert doc, f"{cls.name}.{field.target.id} has no docstring"
+                out[field.target.id] = doc
+    assert len(out) > 40
+    return out
 
 
 def slug(heading: str) -> str:
@@ -89,6 +115,24 @@ def test_the_link_checker_sees_links_and_anchors():
         "many-nodes-torchrun-slurm-kubernetes",
         "object-storage-s3-gcs-minio",
     }
+
+
+def test_every_dated_report_is_in_the_performance_pages_list():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    listed = page[page.index("## All reports") :]
+    missing = [p.name for p in sorted((ROOT / "bench" / "results").glob("*.md")) if f"reports/{p.name}" not in listed]
+    assert missing == [], f"add these to docs/performance.md's All reports: {missing}"
+
+
+def test_a_page_names_its_tests_in_one_place_not_in_its_prose():
+    """A test id (tests/FILE.py::NAME) on a user page sits in a table, not in a sentence."""
+    inline = [
+        f"{page.name}:{n}"
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if re.search(r"tests/test_\w+\.py::\w+", line) and not line.startswith("|")
+    ]
+    assert inline == [], f"move these test ids into the page's table of tests: {inline}"
 
 
 def test_every_dated_report_is_in_the_navigation():

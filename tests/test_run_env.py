@@ -239,3 +239,25 @@ def test_a_missing_requirements_dev_txt_is_named(repo):
     proc = run(repo, "show.py")
     assert proc.returncode == 2 and "no requirements-dev.txt" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert not list(repo.glob(".venv-*"))
+
+
+def test_help_names_every_command_and_script_and_ends_whole():
+    proc = subprocess.run([str(ROOT / "run"), "help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for name in (
+        "train.py",
+        "makeshards.py",
+        "simdist.py",
+        "examples/ddp_loop.py",
+        "lightning_train.py",
+        "test",
+        "fuzz",
+    ):
+        assert name in text, name
+    commands = {line.split()[1] for line in text.splitlines() if line.strip().startswith("./run ")}
+    cases = subprocess.run(["grep", "-oE", r"^  [a-z|-]+\)", str(ROOT / "run")], capture_output=True, text=True).stdout
+    for case in cases.split():
+        for word in case.strip(")").split("|"):
+            assert word in commands or word in ("-h", "--help"), f"./run {word} is not in ./run help"
+    assert text.rstrip().endswith(")."), text[-200:]  # a whole last sentence

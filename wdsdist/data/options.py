@@ -75,25 +75,38 @@ class SampleOptions:
     """What a sample is, and what makes one bad (the trainer's ``data`` section)."""
 
     image_key: str = "jpg;jpeg;png"
+    """The member suffixes a sample's image may have, tried in order (``;`` between them)."""
     label_key: str = "cls"
+    """The member suffix of a sample's label: an integer as text."""
     image_size: int = 224
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop's area range
-    num_classes: int | None = None  # labels outside [0, num_classes) are corrupt samples; None: unchecked
-    strict: bool = False  # a bad or missing shard or sample is an error (default: skipped, warned, counted)
-    allow_pipe: bool = False  # accept pipe: shard URLs (they run a shell command)
-    trust_index: bool = False  # an index may name absolute paths, '..', other servers (and pipe: with allow_pipe)
-    max_pixels: int = 89_478_485  # an image declaring more pixels (x frames) is a corrupt sample (decompression bomb)
-    max_member_bytes: int = 64 << 20  # a larger file in a shard is a corrupt sample, skipped unread
-    http_timeout: float = 60.0  # seconds without data before an http(s) shard counts as failed
-    http_min_rate: int = httpopen.DEFAULT_MIN_RATE  # bytes/s a server must send per http_timeout waited; 0: off
-    # seconds a remote shard read keeps retrying transient failures without a new byte, resuming
-    # where it stopped; a server that never answers then ends the run (retry.py). 0: no retry
+    """The side of the square images a batch holds, in pixels (>= 8)."""
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    """Training crops: RandomResizedCrop's range of the image's area, [lo, hi] in (0, 1]."""
+    num_classes: int | None = None
+    """Labels outside [0, num_classes) are corrupt samples, skipped; None: not checked."""
+    strict: bool = False
+    """A bad or missing shard or sample is an error; by default it is skipped, warned and counted."""
+    allow_pipe: bool = False
+    """Accept ``pipe:`` shard URLs (they run a shell command)."""
+    trust_index: bool = False
+    """An index may name absolute paths, ``..``, other servers (and ``pipe:`` with allow_pipe)."""
+    max_pixels: int = 89_478_485
+    """An image declaring more pixels (times frames) is a corrupt sample: a decompression bomb."""
+    max_member_bytes: int = 64 << 20
+    """A larger file in a shard is a corrupt sample, skipped unread."""
+    http_timeout: float = 60.0
+    """Seconds without data before an http(s), s3:// or gs:// read counts as failed."""
+    http_min_rate: int = httpopen.DEFAULT_MIN_RATE
+    """Bytes a second a server must send, per http_timeout waited; 0: not checked."""
     http_retry_s: float = 60.0
-    # http_timeout, http_min_rate and http_retry_s hold for s3:// and gs:// too. Endpoints (null: the default):
-    s3_endpoint_url: str | None = None  # S3-compatible store (MinIO, Ceph, R2); null: AWS_ENDPOINT_URL or AWS
-    gs_endpoint_url: str | None = None  # null: https://storage.googleapis.com (Cloud Storage's S3 API)
-    # Several data sets (Source, data.sources) with weights: the mixed epoch's samples (plan/mix.py)
+    """Seconds a remote read keeps retrying transient failures without a new byte, resuming where
+    it stopped; a server that never answers then ends the run (retry.py). 0: no retry."""
+    s3_endpoint_url: str | None = None
+    """An S3-compatible store for s3:// (MinIO, Ceph, R2); None: AWS_ENDPOINT_URL, or AWS."""
+    gs_endpoint_url: str | None = None
+    """The store for gs://; None: https://storage.googleapis.com (Cloud Storage's S3 API)."""
     epoch_samples: int | None = None
+    """Several data sets with weights (``Source``): the mixed epoch's samples (plan/mix.py)."""
 
 
 @dataclass(kw_only=True)
@@ -101,54 +114,79 @@ class StreamOptions:
     """How a rank's shards become batches (the trainer's ``loader`` section)."""
 
     mode: LoaderMode = LoaderMode.repeat
-    split: Split | None = None  # shards or samples; None: samples in epoch mode (unless dsrepeat), else shards
-    remainder: Remainder = Remainder.pad  # split=samples: pad (repeat the epoch's first samples) or drop
-    # split=samples: global (one shard order, new every epoch) or node (each node reads its own shards
-    # every epoch, in a new order: with loader.cache_dir, a run fetches the data set about once)
+    """``repeat``: batches without end (count steps); ``epoch``: epochs of the same number of
+    batches on every rank; ``resampled``: shards drawn with replacement."""
+    split: Split | None = None
+    """``shards`` (whole shards per rank and worker) or ``samples`` (equal spans of the epoch's
+    samples); None: samples in epoch mode (unless dsrepeat), else shards."""
+    remainder: Remainder = Remainder.pad
+    """split=samples: ``pad`` (the epoch's first samples again) or ``drop`` (its last ones), to
+    equal batches on every rank."""
     shard_order: str = "global"
-    nbatches: int | str | None = None  # epoch mode: cut every rank to N batches, or auto (the most all deliver)
-    dsrepeat: int = 1  # epoch mode: read each rank's shards this many times per epoch
-    shuffle_buffer: int = 1000  # raw samples per worker; 0: off
-    cross_shuffle: int = 0  # samples shuffled across a rank's workers; 0: off
-    prefetch: int = 2  # batches per worker
-    decode_region: bool = True  # decode only the training crop's region of a JPEG (jpegcrop.py)
-    # and at 1/2, 1/4 or 1/8 of its size where the crop stays >= image_size: faster for small images, but
-    # not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)
+    """split=samples: ``global`` (one shard order, new every epoch) or ``node`` (each node reads its
+    own shards every epoch, in a new order: with cache_dir a run fetches the data set about once)."""
+    nbatches: int | str | None = None
+    """Epoch mode: cut every rank to N batches, or ``auto`` (the most every rank delivers)."""
+    dsrepeat: int = 1
+    """Epoch mode, split=shards: read each rank's shards this many times per epoch."""
+    shuffle_buffer: int = 1000
+    """Raw samples each worker shuffles among; 0: no shuffle."""
+    cross_shuffle: int = 0
+    """Samples shuffled across a rank's workers; 0: none (a resume is then batch for batch)."""
+    prefetch: int = 2
+    """Batches each worker makes ahead."""
+    decode_region: bool = True
+    """Decode only the training crop's region of a JPEG (decode/jpegcrop.py): the same pixels,
+    faster."""
     decode_downscale: bool = False
-    # The first batch: worker 0 decodes its crops on one thread per worker while the others wait (warmstart.py)
+    """Decode at 1/2, 1/4 or 1/8 of a JPEG's size where the crop stays >= image_size: faster for
+    large images, not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)."""
     warm_start: bool = True
-    # Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves (lateread.py)
+    """The first batch: worker 0 decodes its crops on a thread per worker while the others wait
+    (delivery/warmstart.py), so the first batch comes sooner."""
     read_late: bool = True
-    # A local folder that http(s), s3:// and gs:// shards are fetched into once per node and read from by
-    # every rank, worker and later run naming it (sources/cache.py); null: read from the store every time
+    """Local shards: the shuffle buffer holds where each image lies in its file, read as it leaves
+    (tar/lateread.py), not the image's bytes."""
     cache_dir: str | None = None
-    # Bytes the cache may hold (an integer, or 200GB, 500MiB, ...); null: half of what the folder's cache
-    # holds plus its disk's free space, when the loader starts
+    """A local folder that http(s), s3:// and gs:// shards are fetched into once per node and read
+    from by every rank, worker and later run naming it (sources/cache.py); None: no cache."""
     cache_limit: int | str | None = None
-    # With cache_dir: the next N remote shards of each worker's plan fetched into the cache while it reads
-    # one (sources/ahead.py), so its opens find them there; 0: each shard fetched when it is opened
+    """Bytes the cache may hold (an integer, or 200GB, 500MiB, ...); None: half of what the folder's
+    cache holds plus its disk's free space, when the loader starts."""
     cache_ahead: int = 2
-    # Several data sets (Source, data.sources): sample (every batch a random mixture of the rank's
-    # stream, each source's share held per epoch) or stratified (every batch holds each share, rounded)
+    """With cache_dir: the next N remote shards of each worker's plan are fetched while it reads
+    one (sources/ahead.py); 0: each shard when it is opened."""
     mix: str = "sample"
+    """Several data sets: ``sample`` (each batch a random mixture of the rank's stream, each
+    source's share held per epoch) or ``stratified`` (every batch holds each share, rounded)."""
 
 
 @dataclass(kw_only=True)
 class LoaderConfig(SampleOptions, StreamOptions):
-    """Everything that shapes one rank's loader. Plain values only: it travels to workers."""
+    """Everything that shapes one rank's loader, keywords only; every field is checked when made
+    (one line naming the bad value). Plain values only: it travels to the workers."""
 
     batch_size: int
+    """Samples per batch, per rank."""
     workers: int = 2
+    """DataLoader worker processes per rank; 0: load in the main process."""
     seed: int = 0
-    train: bool = True  # train: RandomResizedCrop + flip; eval: resize + center crop
-    partial: bool = False  # keep a last, partial batch
+    """Every order the loader draws (shards, shuffles) comes from it: the same on every rank."""
+    train: bool = True
+    """Training images: RandomResizedCrop and a flip; False: resize and centre crop."""
+    partial: bool = False
+    """Keep a last, partial batch (split=shards)."""
     pin_memory: bool = False
-    reuse_buffers: bool = True  # workers stack batches into shared buffers they reuse (sharedbatches)
-    with_keys: bool = False  # carry sample keys in batches (simdist's coverage check)
-    trace: bool = False  # print every shard open and close (simdist --showopen)
-    # Ranks that share a node, and so its cache: torchrun's LOCAL_WORLD_SIZE, given by the caller (the
-    # trainer); loader.shard_order=node keeps shards per node of these
+    """Batches in pinned memory, for a faster non-blocking copy to the GPU."""
+    reuse_buffers: bool = True
+    """Workers stack batches into shared-memory buffers they reuse (delivery/sharedbatches.py)."""
+    with_keys: bool = False
+    """Batches carry their samples' keys (``batch["key"]``)."""
+    trace: bool = False
+    """Log every shard open and close, at debug level (simdist --showopen)."""
     node_ranks: int = 1
+    """Ranks that share a node, and so its cache (torchrun's LOCAL_WORLD_SIZE, given by the
+    caller): shard_order=node keeps shards per node of these."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

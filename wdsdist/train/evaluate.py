@@ -20,7 +20,7 @@ from wdsdist.train.report import Reporter
 
 
 class OnDevice:
-    """A loader batch as the model takes it (DESIGN principle 4): uint8 NCHW from the loader ->
+    """A loader batch as the model takes it (batches leave the loader as uint8): uint8 NCHW from the loader ->
     normalised float on the device (channels_last on CUDA if asked), under bf16 autocast where
     the GPU has bf16 units. ``amp_note`` says why autocast is off when it was asked for."""
 
