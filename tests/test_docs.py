@@ -135,6 +135,34 @@ def test_a_page_names_its_tests_in_one_place_not_in_its_prose():
     assert inline == [], f"move these test ids into the page's table of tests: {inline}"
 
 
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_picture_a_page_shows_exists_and_each_chart_names_its_report():
+    from PIL import Image
+
+    shown = []  # (page, picture)
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in IMAGE.findall(FENCE.sub("", page.read_text())):
+            path = (page.parent / target).resolve()
+            assert path.is_file(), f"{page.name} shows {target}, which does not exist"
+            shown.append((page.name, path))
+    assert any(page == "README.md" for page, _ in shown) and len({path for _, path in shown}) >= 4
+    charts = sorted((ROOT / "bench" / "results").glob("*.png"))
+    for chart in charts:
+        source = Image.open(chart).text.get("Source")
+        assert source == chart.with_suffix(".md").name, f"{chart.name} names {source!r}, not its report"
+    # every report of a kind bench/charts.py draws has its chart: adding one means drawing it
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("charts", ROOT / "bench" / "charts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reports = [r for r in sorted((ROOT / "bench" / "results").glob("*.md")) if module.charted(r)]
+    missing = [r.name for r in reports if not module.chart_of(r).exists()]
+    assert len(reports) >= 3 and missing == [], f"draw them: ./run charts.py ({missing})"
+
+
 def test_every_dated_report_is_in_the_navigation():
     """A report nobody can reach from the site's menu is lost (mkdocs only notes it, even strict)."""
     nav = (ROOT / "mkdocs.yml").read_text()

@@ -118,7 +118,11 @@ def _label_shards(ax: Any, sim: Simulation, rows: _Rows) -> None:
     ax.set_xlabel(f"samples per worker per loader pass (boxes: shards by index{hatched}{more_workers})")
     labels = [f"rank {rank}  w{worker}" if worker == 0 else f"w{worker}" for rank, worker, _ in rows.rows]
     ax.set_yticks([y for _, _, y in rows.rows], labels, fontsize=8)
-    ax.set_title("shards per worker: rank r gets shards r::size, its worker w those w::nworkers", fontsize=10)
+    if sim.plan.split == "samples":
+        title = "each worker's span of the epoch's samples, contiguous and of whole batches (boxes: shard slots)"
+    else:
+        title = "shards per worker: rank r gets shards r::size, its worker w those w::nworkers"
+    ax.set_title(title, fontsize=10)
     trans = blended_transform_factory(ax.transAxes, ax.transData)
     for above, below in zip(rows.ranks, rows.ranks[1:], strict=False):
         if below > above + 1:
