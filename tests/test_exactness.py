@@ -76,6 +76,11 @@ FOUND = {
         ),
         [],
     ),  # fmt: skip
+    # split=shards reseeded on another layout, then resumed on that one: it goes on with its stream's seed
+    "a reseeded stream resumed on its layout": (
+        case((Data((1,)),), 1, ((1, 0), (1, 1), (1, 1)), mode="repeat", split="shards"),
+        [1, 0],
+    ),
     # the second break: mix padding delivered before an elastic resume
     "mix padding before an elastic resume": (
         case(

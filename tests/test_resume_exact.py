@@ -172,3 +172,24 @@ def test_a_malformed_state_or_one_of_a_newer_version_is_refused_in_one_line(inde
     with pytest.raises(UserError) as exc:
         loader.load_state_dict(state, where="ckpt.pt")
     assert "\n" not in str(exc.value) and str(exc.value).startswith("ckpt.pt ") and line in str(exc.value)
+
+
+def test_a_stream_reseeded_on_another_layout_goes_on_with_its_seed_when_resumed_on_that_layout(index):
+    """split=shards, repeat mode: another layout starts a reseeded stream (seed + steps); a
+    checkpoint of it resumed on its own layout goes on batch for batch (the stream's seed is
+    saved apart from the caller's, which a resume still checks)."""
+    one = config(workers=0, mode="repeat", split="shards")
+    first = Loader(index, one, rank=0, world=1)
+    take(first, 3)
+    two = config(workers=2, mode="repeat", split="shards")
+    reseeded = Loader(index, two, rank=0, world=1)
+    reseeded.load_state_dict(first.state_dict())
+    assert take(reseeded, 5)  # the fresh stream's first batches
+    state = reseeded.state_dict()
+    assert (state["ranks"][0]["seed"], state["ranks"][0]["stream_seed"]) == (0, 3)
+    straight = Loader(index, two, rank=0, world=1)
+    straight.load_state_dict(first.state_dict())
+    expected = take(straight, 12)[5:]
+    again = Loader(index, two, rank=0, world=1)
+    again.load_state_dict(state)
+    assert take(again, 7) == expected

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -117,11 +116,8 @@ class Loader:
 
     def _loader(self) -> RankLoader:
         if self._inner is None:
-            restored, config = self._restored, self.config
-            if restored is not None and restored.seed is not None:  # a reseeded stream
-                config = replace(config, seed=restored.seed)
             self._inner = RankLoader(
-                self.shards, self.rank, self.world, config, restored, self.plan, self.transform, self.mix
+                self.shards, self.rank, self.world, self.config, self._restored, self.plan, self.transform, self.mix
             )
         return self._inner
 

@@ -108,6 +108,10 @@ class RankLoader:
     ):
         cfg = ready_config(cfg, rank)
         restored = restored or Restored()
+        self.options = options_of(cfg)  # what the state records: the caller's, not a reseeded stream's
+        self.stream_seed = restored.seed  # a reseeded stream's (split=shards, resumed on another layout)
+        if restored.seed is not None:
+            cfg = replace(cfg, seed=restored.seed)
         self.cfg, self.rank, self.world, self.plan, self.mix = cfg, rank, world, plan_, mix
         self.counts = [s.nsamples or 0 for s in shards] if cfg.by_samples else None
         self.nshards = len(shards)
@@ -200,7 +204,8 @@ class RankLoader:
             data["orders"] = {e: o for e, o in self.dataset.orders.items() if e >= point.epoch}
         if self.mix is not None:
             data["mix"] = MixState(self.mix.digest(), self.mix.describe(), self.mix.spec())
-        return RankState(self.rank, self.world, self.cfg.workers, point, batches, turn, **options_of(self.cfg), **data)
+        data["stream_seed"] = self.stream_seed
+        return RankState(self.rank, self.world, self.cfg.workers, point, batches, turn, **self.options, **data)
 
     def state_dict(self) -> dict:
         """``state()`` as a small, JSON-friendly dict (this rank's entry of a loader state)."""

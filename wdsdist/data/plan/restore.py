@@ -170,6 +170,7 @@ def _same_layout(
         base,
         point=mine.point,
         batches=mine.batches,
+        seed=mine.stream_seed,  # a reseeded stream goes on with its seed
         turn=0 if cfg.rebatch else turn % layout.nworkers,
         elastic=mine.elastic,
         orders=orders,

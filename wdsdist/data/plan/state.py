@@ -24,6 +24,8 @@ Each rank's entry (``RankState``):
     turn                    the worker whose batch comes next (the DataLoader takes them in turn)
     mode, split, batch_size, remainder, shuffle_buffer, seed, dsrepeat, cross_shuffle
                             the options the positions were read with
+    stream_seed             a stream reseeded on another layout (split=shards): the seed it runs
+                            with, which a resume on its layout goes on with
     shards, samples, counts the data: shard count, sample total, a digest of the per-shard counts
     order, orders           split=samples: the node blocks of this layout's shard order, and of
                             the epochs in flight read in another layout's (loader.shard_order=node)
@@ -83,6 +85,7 @@ class RankState:
     remainder: str | None = None
     shuffle_buffer: int | None = None
     seed: int | None = None
+    stream_seed: int | None = None
     dsrepeat: int | None = None
     cross_shuffle: int | None = None
     shards: int | None = None
@@ -103,7 +106,7 @@ class RankState:
         out |= {"point": self.point.state(), "batches": self.batches, "turn": self.turn}
         for key in ("mode", "split", "batch_size", "remainder", "shuffle_buffer", "seed", "dsrepeat", "cross_shuffle"):
             out[key] = getattr(self, key)
-        for key in ("shards", "samples", "counts"):
+        for key in ("shards", "samples", "counts", "stream_seed"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.split == "samples":
@@ -126,7 +129,8 @@ class RankState:
         if version not in (1, VERSION):
             raise ValueError(f"rank {d.get('rank')}'s entry has version {version!r}")
         options = {k: d.get(k) for k in ("mode", "split", "remainder", "counts")}
-        numbers = ("turn", "batch_size", "shuffle_buffer", "seed", "dsrepeat", "cross_shuffle", "shards", "samples")
+        numbers = ("turn", "batch_size", "shuffle_buffer", "seed", "stream_seed", "dsrepeat", "cross_shuffle")
+        numbers += ("shards", "samples")
         options |= {k: None if d.get(k) is None else int(d[k]) for k in numbers}
         saved = d.get("elastic")
         if saved == SHARED:
