@@ -40,7 +40,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY wdsdist ./wdsdist
-RUN python3 -c "import sys; from wdsdist.data.decode import jpegcrop; lib = jpegcrop.load(); sys.exit(lib if isinstance(lib, str) else 0)"
+RUN python3 -m wdsdist.data.decode.jpegcrop
 
 # ---- the image
 FROM runtime

@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from tests.conftest import write_tiny_shards
+from tests.conftest import ROOT, write_tiny_shards
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError, crop_decoder, region
 from wdsdist.data.decode.sample import decode_sample, make_transform
@@ -350,3 +350,16 @@ def test_a_killed_compiles_temporaries_are_removed_on_the_next_load(tmp_path):
             os.utime(where / name, (old, old))
     assert jpegcrop.load(where, "no-such-cc") == "no C compiler (no-such-cc) to build jpegcrop.c"
     assert sorted(p.name for p in where.iterdir()) == sorted(name for name, kept in files.items() if kept)
+
+
+def test_the_module_command_the_image_runs_loads_the_library():
+    """Dockerfile and deploy/check-image.sh run `python3 -m wdsdist.data.decode.jpegcrop` in the
+    image: the suite runs it too, so a module that moves fails here, not in a later image check."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "wdsdist.data.decode.jpegcrop"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if "no C compiler" in proc.stdout or "headers" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0 and proc.stdout.startswith("jpegcrop loaded: "), proc.stdout + proc.stderr
+    for path in ("Dockerfile", "deploy/check-image.sh"):
+        assert "-m wdsdist.data.decode.jpegcrop" in (ROOT / path).read_text(), path
