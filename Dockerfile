@@ -40,7 +40,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libjpeg62-turbo-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY wdsdist ./wdsdist
-RUN python3 -m wdsdist.data.decode.jpegcrop
+RUN python3 -m wdsdist.tools.jpegcheck
 
 # ---- the image
 FROM runtime

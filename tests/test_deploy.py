@@ -178,7 +178,7 @@ FAKE_ENGINE = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_CALLS"
 case "$1" in
   image) echo 123456789 ;;
-  run) [[ "$*" == *wdsdist.data.decode.jpegcrop* ]] && echo "jpegcrop loaded: /app/.build/jpegcrop.so"
+  run) [[ "$*" == *wdsdist.tools.jpegcheck* ]] && echo "jpegcrop loaded: /app/.build/jpegcrop.so"
        [[ "$*" == *simdist.py* ]] && echo "SUCCESS: same batches in all ranks"
        [[ "$*" == *train.py* ]] && echo "$FAKE_NOTE" ;;
 esac

@@ -353,13 +353,13 @@ def test_a_killed_compiles_temporaries_are_removed_on_the_next_load(tmp_path):
 
 
 def test_the_module_command_the_image_runs_loads_the_library():
-    """Dockerfile and deploy/check-image.sh run `python3 -m wdsdist.data.decode.jpegcrop` in the
+    """Dockerfile and deploy/check-image.sh run `python3 -m wdsdist.tools.jpegcheck` in the
     image: the suite runs it too, so a module that moves fails here, not in a later image check."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "wdsdist.data.decode.jpegcrop"]
+    cmd = [sys.executable, "-m", "wdsdist.tools.jpegcheck"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     if "no C compiler" in proc.stdout or "headers" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and proc.stdout.startswith("jpegcrop loaded: "), proc.stdout + proc.stderr
     for path in ("Dockerfile", "deploy/check-image.sh"):
-        assert "-m wdsdist.data.decode.jpegcrop" in (ROOT / path).read_text(), path
+        assert "-m wdsdist.tools.jpegcheck" in (ROOT / path).read_text(), path

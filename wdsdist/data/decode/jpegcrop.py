@@ -263,18 +263,3 @@ def crop_decoder(transform: v2.Transform, downscale: bool, lib: ctypes.CDLL | st
         return None
     return CropDecoder(lib, crop, flip, downscale)
 
-
-def main() -> int:
-    """``python -m wdsdist.data.decode.jpegcrop``: build (if needed) and load the library, say
-    which, and exit 1 where it cannot be used. The image's build and its check run this, and so
-    does the suite, so a module that moves fails ``./run test`` before an image build."""
-    lib = load()
-    if isinstance(lib, str):
-        print(f"jpegcrop is not usable: {lib}")
-        return 1
-    print(f"jpegcrop loaded: {lib._name}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
