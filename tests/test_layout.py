@@ -301,3 +301,15 @@ def test_jpegcrop_builds_into_the_repository_build_dir(monkeypatch: pytest.Monke
     monkeypatch.delenv("WDSDIST_BUILD", raising=False)
     assert jpegcrop.build_dir() == ROOT / ".build"
     assert jpegcrop.SOURCE.exists()
+
+
+def test_the_node_cache_stays_split_by_concern() -> None:
+    """The cache's on-disk protocol (cachefiles.py, whose docstring alone describes the format),
+    its counts (cachecounts.py) and one process's use of a folder (cache.py): each short enough
+    to read in one sitting."""
+    sources = PACKAGE / "data" / "sources"
+    for name in ("cache.py", "cachefiles.py", "cachecounts.py"):
+        assert len((sources / name).read_text().splitlines()) <= 400, name
+    assert "on-disk protocol" in ast.get_docstring(ast.parse((sources / "cachefiles.py").read_text()))
+    for name in ("cache.py", "cachecounts.py"):  # they point to it; they do not describe the format again
+        assert ".part-" not in (sources / name).read_text().split('"""')[1], name

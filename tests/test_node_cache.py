@@ -28,7 +28,7 @@ from tests.helpers.loading import cfg
 from tests.helpers.servers import Servers
 from tests.helpers.training import overrides, torchrun
 from wdsdist.data import CACHE_COUNTS, Loader
-from wdsdist.data.sources import cache, opener
+from wdsdist.data.sources import cache, cachefiles, opener
 
 WAIT = 120  # seconds a test waits for another process's signal before it fails (never a pause)
 FORK = multiprocessing.get_context("fork")
@@ -294,7 +294,7 @@ def test_a_full_disk_leaves_the_shards_to_the_store_with_one_line(tmp_path, stor
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cache, "write_part", full)
+    monkeypatch.setattr(cachefiles, "write_part", full)
     cache.take_counts()  # what earlier tests in this process did is not this loader's
     before = cache.counts()
     folder = tmp_path / "cache"
@@ -333,21 +333,21 @@ def test_a_hostile_name_stays_inside_the_cache_and_equal_base_names_are_two_entr
 
 
 def _download_in_child(url: str, folder: str, wrote) -> None:
-    write = cache.write_part
+    write = cachefiles.write_part
 
     def signalled(fd, data):
         write(fd, data)
         wrote.set()
 
-    cache.write_part = signalled
+    cachefiles.write_part = signalled
     read_all(url, Path(folder))
 
 
 def test_a_downloader_killed_mid_file_leaves_the_cache_usable_and_its_part_is_cleared(tmp_path, store):
-    # Larger than a copy's read (cache.CHUNK), so the first half reaches the part file on its own.
+    # Larger than a copy's read (cachefiles.CHUNK), so the first half reaches the part file on its own.
     shard = tmp_path / "data" / "big.tar"
     shard.parent.mkdir()
-    shard.write_bytes(os.urandom(3 * cache.CHUNK))
+    shard.write_bytes(os.urandom(3 * cachefiles.CHUNK))
     base, counts = store(tmp_path / "data")
     url, path, folder = f"{base}/big.tar", "/big.tar", tmp_path / "cache"
     counts.hold.add(path)
