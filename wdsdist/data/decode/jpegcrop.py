@@ -262,4 +262,3 @@ def crop_decoder(transform: v2.Transform, downscale: bool, lib: ctypes.CDLL | st
     if not isinstance(crop, v2.RandomResizedCrop) or not isinstance(flip, v2.RandomHorizontalFlip):
         return None
     return CropDecoder(lib, crop, flip, downscale)
-
