@@ -1,8 +1,9 @@
-"""loader.shard_order=node (issue 29): each node keeps its shards across epochs, so with a node
-cache a run fetches the data set about once. The pure order (a permutation every epoch, a shard
-on one node throughout, nodes balanced, rank spans in their node's block); every key once per
-epoch but the padding through the real Loader; what the store sends to two nodes with a cache
-each over three epochs, against the global order; an elastic resume onto another node count.
+"""loader.shard_order=node: each node keeps the same samples across epochs (whole shards, and a
+part of the shard at each cut between two nodes), so with a node cache a run fetches the data set
+about once. The pure order (a permutation every epoch, every sample on one node throughout, nodes
+balanced, rank spans and their padding in their node's share); every key once per epoch but the
+padding through the real Loader; what the store sends to two nodes with a cache each over three
+epochs, against the global order; an elastic resume onto another node count.
 
 The stores are local HTTP servers that count the bytes they send; processes wait on queues,
 never by time."""
@@ -24,8 +25,10 @@ from tests.helpers.servers import Servers
 from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
-from wdsdist.data.plan.order import GLOBAL, epoch_order, node_blocks, node_order, order_nodes, shard_order
-from wdsdist.data.plan.splits import plan_samples, rank_batches
+from wdsdist.data.plan.order import GLOBAL, epoch_order, node_order, node_parts, node_shares, order_nodes, shard_order
+from wdsdist.data.plan.sequence import EpochSequence, EpochShards
+from wdsdist.data.plan.splits import rank_batches
+from wdsdist.data.plan.state import LoaderState
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
 
@@ -44,11 +47,25 @@ def layout_order(counts, world, node_ranks, bs, shard_order="node"):
 
 
 def sequence_keys(counts, order, seed, epoch):
-    """The keys of the epoch's sample sequence by hand: shards in the node order, samples in
-    shard order (write_tiny_shards numbers keys over the shard list)."""
+    """The keys of the epoch's sample sequence by hand: parts of shards in the node order, samples
+    in shard order (write_tiny_shards numbers keys over the shard list)."""
     first = list(itertools.accumulate(counts, initial=0))
-    order = epoch_order(node_blocks(counts, order, seed), seed, epoch)
-    return [f"s{first[i] + j:07d}" for i in order for j in range(counts[i])]
+    parts = epoch_order(node_parts(counts, order, seed), seed, epoch)
+    return [f"s{first[i] + j:07d}" for i, a, b in parts for j in range(a, b)]
+
+
+def epoch_keys(counts, order, seed, epoch, world, bs, remainder="pad"):
+    """Every key a whole epoch delivers, by hand: node n's ranks read its share of the sequence
+    (node_shares), cut to their spans (drop) or padded with the share's first keys again (pad)."""
+    sequence = sequence_keys(counts, order, seed, epoch)
+    nodes = order[0]
+    span = rank_batches(len(sequence), world, bs, remainder) * bs * world // nodes
+    out, start = Counter(), 0
+    for own in node_shares(len(sequence), nodes):
+        share = sequence[start : start + own]
+        out.update(share[i % own] for i in range(span))
+        start += own
+    return out
 
 
 # ---------------------------------------------------------------- (a) the pure order
@@ -66,46 +83,42 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("counts,nodes,per_node,bs,seed", LAYOUTS)
-def test_the_node_order_keeps_shards_on_their_node_balanced_and_under_their_ranks(counts, nodes, per_node, bs, seed):
-    total, world, biggest = sum(counts), nodes * per_node, max(counts)
+def test_the_node_order_keeps_every_sample_on_one_node_balanced_and_under_its_ranks(counts, nodes, per_node, bs, seed):
+    total, world = sum(counts), nodes * per_node
     order = layout_order(counts, world, per_node, bs)
     span = order[1]  # samples of a node's ranks' spans
     assert order == (nodes, rank_batches(total, world, bs, "pad") * bs * per_node)
-    blocks = node_blocks(counts, order, seed)
-    assert sorted(i for b in blocks for i in b) == list(range(len(counts)))  # each shard on one node
-    cuts = list(itertools.accumulate((sum(counts[i] for i in b) for b in blocks), initial=0))
-    for node in range(1, nodes):  # every cut within half a shard of the nodes' span boundary
-        assert abs(cuts[node] - min(node * span, total)) <= biggest / 2
-    for node in range(nodes - 1):  # so each node holds its span's samples give or take a shard
-        assert abs(cuts[node + 1] - cuts[node] - min(span, total - node * span)) <= biggest
+    parts = node_parts(counts, order, seed)
+    owner = {}  # (shard, sample) -> node: every sample of every shard on exactly one node
+    for node, block in enumerate(parts):
+        for i, a, b in block:
+            for j in range(a, b):
+                assert (i, j) not in owner
+                owner[i, j] = node
+    assert len(owner) == total
+    assert [sum(b - a for _, a, b in block) for block in parts] == node_shares(total, nodes)
+    assert max(node_shares(total, nodes)) - min(node_shares(total, nodes)) <= 1
+    split = [i for i in range(len(counts)) if len({n for (s, _), n in owner.items() if s == i}) > 1]
+    assert len(split) <= nodes - 1  # only the shards a cut falls in are shared, each by two nodes
     for epoch in range(3):
-        order = epoch_order(blocks, seed, epoch)
-        assert sorted(order) == list(range(len(counts)))  # a permutation
-        for node, block in enumerate(blocks):  # the node's shards hold its stretch of the sequence
-            assert set(order[len(sum(blocks[:node], ())) :][: len(block)]) == set(block)
-    # So position q of any epoch's sequence is on the node whose cuts hold it; the rank spans of
-    # the existing split (the same every epoch) against them:
-    p = plan_samples(counts, world, 1, bs)
-    foreign_all = 0
-    for node in range(nodes):
-        foreign = 0
-        for rank in range(node * per_node, (node + 1) * per_node):
-            start, stop = p.ranks[rank].span
-            runs = [cuts[node] <= q % total < cuts[node + 1] for q in range(start, stop)]
-            foreign += runs.count(False)
-            # What a rank reads of other nodes' shards lies at its span's ends, never in its middle.
-            home = [i for i, at_home in enumerate(runs) if at_home]
-            assert not home or all(runs[home[0] : home[-1] + 1])
-        # The edges: half a shard at each cut; the last node also reads the padding.
-        assert foreign <= (biggest / 2 + p.padded if node == nodes - 1 else biggest)
-        foreign_all += foreign
-    if len(counts) >= 1000:
-        assert foreign_all < 0.01 * total  # at scale almost every sample is read on its node
+        order_e = epoch_order(parts, seed, epoch)
+        assert sorted(order_e) == sorted(p for b in parts for p in b)  # a permutation of the parts
+        shards = EpochShards(counts, order_e)
+        sequence = EpochSequence.of(shards.total, order=order)
+        for node in range(nodes):  # the node's ranks read its own samples only, padding included
+            for rank in range(node * per_node, (node + 1) * per_node):
+                runs = sequence.runs(rank * span // per_node, (rank + 1) * span // per_node)
+                assert sum(b - a for a, b, _ in runs) == span // per_node
+                _, (pieces,) = shards.reads(runs)
+                assert {owner[i, j] for i, a, b in pieces for j in range(a, b)} <= {node}
+            padding = sum(b - a for a, b, tag in sequence.runs(node * span, (node + 1) * span) if tag >= total)
+            assert padding == span - node_shares(total, nodes)[node] <= per_node * bs  # a batch per rank at most
 
 
 def test_one_node_is_the_global_order_and_shard_order_global_ignores_the_nodes():
     for epoch in range(4):
-        assert epoch_order(node_blocks(COUNTS, GLOBAL, 3), 3, epoch) == shard_order(range(len(COUNTS)), 3, epoch, 1)
+        whole = [(i, 0, n) for i, n in enumerate(COUNTS)]
+        assert epoch_order(node_parts(COUNTS, GLOBAL, 3), 3, epoch) == shard_order(whole, 3, epoch, 1)
     assert order_nodes("global", 6, 4) == 1 and order_nodes("node", 8, 4) == 2 and order_nodes("node", 3, 1) == 3
     assert layout_order(COUNTS, 8, 4, 3, "global") == layout_order(COUNTS, 4, 4, 3) == GLOBAL
 
@@ -147,10 +160,8 @@ def test_two_nodes_of_two_ranks_deliver_every_key_once_per_epoch_but_the_padding
     loaders = [Loader(spec, c, rank=r, world=world) for r in range(world)]
     k = rank_batches(sum(COUNTS), world, bs, "pad")
     order = layout_order(COUNTS, world, 2, bs)
-    blocks = node_blocks(COUNTS, order, c.seed)
     first = list(itertools.accumulate(COUNTS, initial=0))
-    shard_of = {f"s{first[i] + j:07d}": i for i in range(len(COUNTS)) for j in range(COUNTS[i])}
-    read = [set(), set()]  # the shards each node read, over the epochs
+    own = [{f"s{first[i] + j:07d}" for i, a, b in block for j in range(a, b)} for block in node_parts(COUNTS, order, 3)]
     for epoch in range(3):
         keys = Counter()
         for rank, loader in enumerate(loaders):
@@ -158,12 +169,8 @@ def test_two_nodes_of_two_ranks_deliver_every_key_once_per_epoch_but_the_padding
             assert len(batches) == len(loader) == k  # equal batches per rank
             got = [key for b in batches for key in b["key"]]
             keys.update(got)
-            read[rank // 2].update(shard_of[key] for key in got)
-        sequence = sequence_keys(COUNTS, order, c.seed, epoch)
-        padding = k * world * bs - len(sequence)
-        assert keys == Counter(sequence) + Counter(sequence[:padding])
-    for node in range(2):  # a node's reads stay in its block but for the edges of the spans
-        assert len(read[node] - set(blocks[node])) <= 2 * 3
+            assert set(got) <= own[rank // 2]  # a node's ranks read its own samples, padding included
+        assert keys == epoch_keys(COUNTS, order, c.seed, epoch, world, bs)
 
 
 def test_a_training_config_with_the_node_order_evaluates_whole_shards_per_rank(tiny_shards):
@@ -171,7 +178,7 @@ def test_a_training_config_with_the_node_order_evaluates_whole_shards_per_rank(t
     a config that trains with it still evaluates, every key once over the ranks."""
     spec = str(tiny_shards(COUNTS))
     keys = [k for r in range(2) for b in EvalLoader(spec, cfg(node_ranks=1), rank=r, world=2) for k in b["key"]]
-    assert sorted(keys) == sorted(sequence_keys(COUNTS, GLOBAL, 0, 0))
+    assert sorted(keys) == sorted(sequence_keys(COUNTS, GLOBAL, 0, 0))  # the global order: every key
 
 
 # ---------------------------------------------------------------- (c) two nodes, two caches, one store
@@ -255,7 +262,7 @@ def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tm
         epoch_layout = layout_order(counts, 2, 1, 4, order)
         for epoch in range(3):  # every epoch exact: no padding in this layout
             keys = results[0][job][epoch] + results[1][job][epoch]
-            assert Counter(keys) == Counter(sequence_keys(counts, epoch_layout, 3, epoch))
+            assert Counter(keys) == epoch_keys(counts, epoch_layout, 3, epoch, 2, 4)
         sent[order] = sum(n for path, n in counted.items() if path.endswith(".tar"))
     print(f"store sent over 3 epochs: {sent} bytes; the data set is {dataset} bytes")
     assert dataset <= sent["node"] <= 1.1 * dataset
@@ -314,6 +321,17 @@ def test_a_resume_on_another_node_count_delivers_the_interrupted_epoch_once(
     # The next epoch is whole, in the new node count's order.
     nxt, _ = run_layout(spec, world, workers, per, states3)
     got = Counter(k for batches in nxt for b in batches for k in b["key"])
-    new = sequence_keys(COUNTS, new_order, 3, 1)
-    padding = rank_batches(total, world, bs, "pad") * world * bs - total
-    assert got == Counter(new) + Counter(new[:padding])
+    assert got == epoch_keys(COUNTS, new_order, 3, 1, world, bs)
+
+
+def test_a_state_of_the_earlier_node_cut_in_the_middle_of_an_epoch_is_refused_in_one_line(tiny_shards):
+    """Version 1 of the loader state cut the nodes at whole shards, so its positions in the middle
+    of a node-ordered epoch name other samples now: refused, naming the way on; at an epoch's end
+    nothing is in flight and it resumes."""
+    spec = str(tiny_shards(COUNTS))
+    _, states = run_layout(spec, 2, 0, 1, None, 2)  # every rank's entry, two batches into epoch 0
+    with pytest.raises(UserError, match=r"^the loader state was saved in the middle of epoch 0 with "):
+        LoaderState.from_dict([dict(s, version=1) for s in states])
+    assert LoaderState.from_dict(states).first.point.epoch == 0  # today's version reads it
+    _, ended = run_layout(spec, 2, 0, 1, None)
+    assert LoaderState.from_dict([dict(s, version=1) for s in ended]).first.point.epoch == 1

@@ -33,7 +33,7 @@ from PIL import Image
 from tests.helpers import model as m
 from wdsdist.data import Loader, LoaderConfig, Source, UserError
 from wdsdist.data.plan.mix import MixEpoch
-from wdsdist.data.plan.order import GLOBAL, epoch_order, node_blocks, shard_order
+from wdsdist.data.plan.order import GLOBAL, epoch_order, node_parts, shard_order
 from wdsdist.data.plan.sequence import EpochShards
 from wdsdist.data.sources.index import index_path, write_index
 
@@ -210,7 +210,7 @@ class Sequence:
             case, shards = self.case, self.shards
             if self.mix is None:
                 counts = [len(r) for r in shards.ids]
-                order = epoch_order(node_blocks(counts, GLOBAL, case.seed), case.seed, epoch)
+                order = epoch_order(node_parts(counts, GLOBAL, case.seed), case.seed, epoch)
                 _, (pieces,) = EpochShards(counts, order).reads([(0, sum(counts), 0)])
                 ids = [i for shard, a, b in pieces for i in shards.labels_of(shard, a, b)]
                 self.cache[epoch] = (len(ids), ids, m.cyclic(range(len(ids))))

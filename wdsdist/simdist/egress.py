@@ -1,25 +1,26 @@
 """What the store sends each node per epoch, with and without a node cache (--shard-bytes,
---cache-size, --node-ranks, --shard-order): arithmetic on the planner's spans and the loader's
-shard order (order.py), so a layout too big to run shows what loader.shard_order=node saves.
+--cache-size, --node-ranks, --shard-order): the loader's own plan of each node's reads
+(plan/order.py, plan/sequence.py), priced in bytes, so a layout too big to run shows what
+loader.shard_order=node saves.
 
 A node is ``node_ranks`` consecutive ranks (torchrun numbers them so). Without a cache a node
 fetches what its ranks read: with split=samples the samples of its ranks' spans, as their share
 of each shard's bytes (a mid-shard start is a Range request); with split=shards its ranks' whole
 shards, ``dsrepeat`` times. With a cache (loader.cache_dir) every shard a node touches is fetched
-whole, once, and kept in a least-recently-used cache of whole shards of ``cache_bytes``: a later
-epoch fetches only what the node has not kept. A shard larger than the cache is read from the
-store each time, as the cache does. The nbatches cut is not modelled: it reads less.
+whole, once, and kept in a least-recently-used cache of ``cache_bytes``: a later epoch fetches
+only what the node has not kept. A shard larger than the cache is read from the store each time,
+as the cache does. The nbatches cut is not modelled: it reads less.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wdsdist.data.plan.order import epoch_order, node_blocks, node_order
-from wdsdist.data.plan.splits import rank_batches, span_pieces, split_by_rank
+from wdsdist.data.plan.order import epoch_order, node_order, node_parts
+from wdsdist.data.plan.sequence import EpochSequence, EpochShards
+from wdsdist.data.plan.splits import rank_batches, split_by_rank
 from wdsdist.errors import UserError
 from wdsdist.simdist.simulate import Simulation, plural
 
@@ -39,6 +40,27 @@ class Egress:
     @property
     def nodes(self) -> int:
         return len(self.direct[0]) if self.direct else 0
+
+
+Unit = tuple[int, int, int]  # what a cache entry holds: samples [first, stop) of a shard (all: the whole shard)
+
+
+def node_reads(
+    counts: Sequence[int], *, world: int, node_ranks: int, batch_size: int, epoch: int, seed: int, remainder: str,
+    shard_order: str,
+) -> list[list[tuple[tuple[int, int, int], Unit]]]:  # fmt: skip
+    """split=samples: what each node's ranks read in ``epoch``, as the loader plans it: (piece,
+    the cache entry it reads from) in reading order; a piece is samples [first, stop) of a shard."""
+    total = sum(counts)
+    order = node_order(shard_order, total, world, node_ranks, batch_size, remainder)
+    shards = EpochShards(counts, epoch_order(node_parts(counts, order, seed), seed, epoch))
+    sequence = EpochSequence.of(shards.total, order=order)
+    length = rank_batches(total, world, batch_size, remainder) * batch_size * node_ranks
+    out = []
+    for node in range(world // node_ranks):  # the node's ranks hold consecutive spans
+        _, (pieces,) = shards.reads(sequence.runs(node * length, (node + 1) * length))
+        out.append([(p, (p[0], 0, counts[p[0]])) for p in pieces])
+    return out
 
 
 # One function: the touches of an epoch and the cache they pass through read as one loop.
@@ -61,45 +83,42 @@ def node_egress(
     if node_ranks < 1 or world % node_ranks:
         raise UserError(f"--size {world} is not whole nodes of --node-ranks {node_ranks}: give a multiple of it")
     nodes = world // node_ranks
-    caches: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(nodes)]
+    caches: list[OrderedDict[Unit, int]] = [OrderedDict() for _ in range(nodes)]
     held = [0] * nodes
-    total = sum(counts)
-    blocks: tuple = ()
-    if split == "samples":
-        blocks = node_blocks(counts, node_order(shard_order, total, world, node_ranks, batch_size, remainder), seed)
+
+    def share(shard: int, first: int, stop: int) -> int:
+        return shard_bytes[shard] * (stop - first) // max(counts[shard], 1)
+
     direct, cached = [], []
     for epoch in range(nepochs):
         direct.append([0] * nodes)
         cached.append([0] * nodes)
         if split == "samples":
-            order = epoch_order(blocks, seed, epoch)
-            cumulative = list(itertools.accumulate((counts[i] for i in order), initial=0))
-            length = rank_batches(total, world, batch_size, remainder) * batch_size * node_ranks
+            reads = node_reads(
+                counts, world=world, node_ranks=node_ranks, batch_size=batch_size, epoch=epoch, seed=seed,
+                remainder=remainder, shard_order=shard_order,
+            )  # fmt: skip
         for node in range(nodes):
             if split == "samples":
-                # The node's ranks hold consecutive spans: one span of the sequence per node.
-                pieces = span_pieces(cumulative, node * length, (node + 1) * length)
-                touched = []
-                for slot, first, stop, _ in pieces:
-                    shard = order[slot]
-                    direct[epoch][node] += shard_bytes[shard] * (stop - first) // max(counts[shard], 1)
-                    touched.append(shard)
+                direct[epoch][node] = sum(share(*piece) for piece, _ in reads[node])
+                touched = [unit for _, unit in reads[node]]
             else:
                 ranks = range(node * node_ranks, (node + 1) * node_ranks)
-                touched = sorted(s for r in ranks for s in split_by_rank(range(len(counts)), r, world))
-                direct[epoch][node] = dsrepeat * sum(shard_bytes[s] for s in touched)
+                shards = sorted(s for r in ranks for s in split_by_rank(range(len(counts)), r, world))
+                direct[epoch][node] = dsrepeat * sum(shard_bytes[s] for s in shards)
+                touched = [(s, 0, counts[s]) for s in shards]
             if cache_bytes is None:
                 continue
             cache = caches[node]
-            for shard in dict.fromkeys(touched):  # a shard two ranks read is one download
-                size = shard_bytes[shard]
-                if shard in cache:
-                    cache.move_to_end(shard)
+            for unit in dict.fromkeys(touched):  # a shard two ranks read is one download
+                size = shard_bytes[unit[0]] if unit[1:] == (0, counts[unit[0]]) else share(*unit)
+                if unit in cache:
+                    cache.move_to_end(unit)
                     continue
                 cached[epoch][node] += size
                 if size > cache_bytes:
                     continue  # over the limit: read from the store, never kept
-                cache[shard] = size
+                cache[unit] = size
                 held[node] += size
                 while held[node] > cache_bytes:
                     held[node] -= cache.popitem(last=False)[1]

@@ -3,11 +3,11 @@ every epoch, read, shuffled, decoded and batched (the first half of pipeline.py'
 
 With loader.split=samples a worker reads its span of the epoch's sample sequence instead
 (sequence.EpochSequence: the epoch's positions, or those an elastic resume left of it, padded to
-equal batches), each position through the epoch's shard order (sequence.EpochShards; with
-loader.shard_order=node each node's own shards first) or, for several data sets, the mix's
-sources (mix.MixEpoch), starting and stopping mid-shard through spanread.read_span. Every
-sample's id then carries its tag (``batch["pos"]``): its position in the epoch, plus N where it
-is padding (the sample at position tag mod N again).
+equal batches), each position through the epoch's order of shards (sequence.EpochShards; with
+loader.shard_order=node each node's own samples, order.node_parts, one stretch after another)
+or, for several data sets, the mix's sources (mix.MixEpoch), starting and stopping mid-shard
+through spanread.read_span. Every sample's id then carries its tag (``batch["pos"]``): its
+position in the epoch, plus N where it is padding (the sample at position tag mod N again).
 
 After a resume each worker plays the part of the worker whose turn it was (``turn``): the
 DataLoader asks its worker 0 first, and the uninterrupted run would have asked that one.
@@ -36,7 +36,7 @@ from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan import seeds
 from wdsdist.data.plan.mix import Mix, MixEpoch
-from wdsdist.data.plan.order import GLOBAL, NodeOrder, epoch_order, node_blocks, node_order, shard_order, shuffled
+from wdsdist.data.plan.order import GLOBAL, NodeOrder, Part, epoch_order, node_order, node_parts, shard_order, shuffled
 from wdsdist.data.plan.restore import Restored
 from wdsdist.data.plan.sequence import EpochSequence, EpochShards, tags
 from wdsdist.data.plan.splits import Layout, split_by_rank, split_by_worker
@@ -175,14 +175,14 @@ class ShardStream(IterableDataset):
         self.gate = gate  # loader.warm_start: set when worker 0's first batch is made (warmstart.py)
         self.warmed = False  # in each worker: its first batch was begun
         self.transform = transform  # the caller's, on each training image after its crop and flip
-        # split=samples: the node blocks the epoch's shard order keeps (order.node_order), and
+        # split=samples: the nodes the epoch's order keeps blocks for (order.node_order), and
         # epoch -> those of the layout an epoch in flight began on (resumed on another one)
         self.order = GLOBAL
         if cfg.by_samples:
             total = sum(s.nsamples or 0 for s in self.all_shards)
             self.order = node_order(cfg.shard_order, total, world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
         self.orders = restored.orders
-        self.blocks: dict[NodeOrder, tuple[tuple[int, ...], ...]] = {}  # made once per order
+        self.blocks: dict[NodeOrder, tuple[tuple[Part, ...], ...]] = {}  # made once per order
         self.mix = mix  # several data sets (plan/mix.py): the epoch's sequence interleaves their windows
         self.mixed: MixEpoch | None = None  # the last epoch's, in each worker
         # loader.mix=stratified, in each worker: epoch -> each source's rows in each batch of its span
@@ -215,9 +215,9 @@ class ShardStream(IterableDataset):
         counts = [s.nsamples or 0 for s in self.all_shards]
         key = self.orders.get(epoch, self.order)
         if key not in self.blocks:
-            self.blocks[key] = node_blocks(counts, key, self.cfg.seed)
+            self.blocks[key] = node_parts(counts, key, self.cfg.seed)
         shards = EpochShards(counts, epoch_order(self.blocks[key], self.cfg.seed, epoch))
-        return EpochSequence.of(shards.total, self.elastic.get(epoch)), shards
+        return EpochSequence.of(shards.total, self.elastic.get(epoch), order=key), shards
 
     def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
         """split=samples: the raw samples of this worker's span of the epoch's sequence, in order,

@@ -5,6 +5,7 @@ which samples a checkpoint had consumed."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
@@ -45,8 +46,9 @@ def order_nodes(shard_order: str, world: int, node_ranks: int) -> int:
     return world // node_ranks
 
 
-NodeOrder = tuple[int, int]  # (nodes, samples of each node's span): what node_blocks cuts by
+NodeOrder = tuple[int, int]  # (nodes, samples of each node's span): what node_parts cuts by
 GLOBAL: NodeOrder = (1, 0)  # one block of every shard: the global order
+Part = tuple[int, int, int]  # samples [first, stop) of the shard at this index of the loader's list
 
 
 def node_order(shard_order: str, total: int, world: int, node_ranks: int, batch_size: int, remainder: str) -> NodeOrder:
@@ -59,42 +61,57 @@ def node_order(shard_order: str, total: int, world: int, node_ranks: int, batch_
     return nodes, rank_batches(total, world, batch_size, remainder) * batch_size * node_ranks
 
 
-def node_blocks(counts: Sequence[int], order: NodeOrder, seed: int) -> tuple[tuple[int, ...], ...]:
-    """The shards each node keeps across epochs (loader.shard_order=node), as sorted indices.
+def node_shares(total: int, nodes: int) -> list[int]:
+    """The samples each node keeps (loader.shard_order=node): equal shares of the data set, the
+    first ``total % nodes`` nodes one more."""
+    each, extra = divmod(total, nodes)
+    return [each + (n < extra) for n in range(nodes)]
+
+
+def node_parts(counts: Sequence[int], order: NodeOrder, seed: int) -> tuple[tuple[Part, ...], ...]:
+    """The samples each node keeps across epochs (loader.shard_order=node), as parts of shards,
+    sorted: one block of whole shards (every shard, whole) for the global order.
 
     The shards, in an order seeded by ``seed`` and the node count, are cut into one contiguous
-    run per node where their samples cross the nodes' span boundaries (a shard goes where its
-    middle falls). So every cut lies within half a shard of where the equal rank spans of every
-    epoch's sequence pass from one node to the next, and each node holds its span's samples give
-    or take a shard: its ranks read their own block but at its edges. The last node holds the
-    rest, less than its span by the padding, which it reads from the first node's block (the
-    sequence's first samples). Cutting at even shares of the data set instead would misalign
-    each node by its share of the padding, up to world x batch size samples on the last.
-    The assignment depends on the counts, the layout and the seed only: a resume on another
-    layout re-assigns once, the same on every rank, and every later epoch follows from it."""
-    nodes, span = order
+    run per node at the nodes' equal shares (node_shares): each node keeps whole shards and, at
+    each cut, one part of the shard the cut falls in, so at most ``nodes - 1`` shards are split
+    in two, and each of their samples still belongs to one node. A node's share is within one
+    sample of every other's and within a batch per rank of its ranks' spans: its ranks read its
+    own samples only, their padding (pad) its own first samples again, and with drop its last
+    ones are left over. The assignment depends on the counts, the node count and the seed only:
+    a resume on another layout re-assigns once, the same on every rank, and every later epoch
+    follows from it."""
+    nodes, _ = order
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     if nodes == 1:
-        return (tuple(range(len(counts))),)
+        return (tuple((i, 0, n) for i, n in enumerate(counts)),)
     shards = list(range(len(counts)))
     seeds.node_blocks(seed, nodes).shuffle(shards)
-    before = 0
-    blocks: list[list[int]] = [[] for _ in range(nodes)]
+    ends = list(itertools.accumulate(node_shares(sum(counts), nodes)))  # where each node's share ends
+    parts: list[list[Part]] = [[] for _ in range(nodes)]
+    node = before = 0
     for i in shards:
-        middle2 = 2 * before + counts[i]  # twice the shard's middle, in samples
-        blocks[min(nodes - 1, middle2 // (2 * span)) if span > 0 else 0].append(i)
+        first = 0
+        while True:
+            while node < nodes - 1 and before + first >= ends[node]:
+                node += 1
+            stop = min(counts[i], ends[node] - before)
+            parts[node].append((i, first, stop))
+            if stop >= counts[i]:
+                break
+            first = stop
         before += counts[i]
-    return tuple(tuple(sorted(b)) for b in blocks)
+    return tuple(tuple(sorted(p)) for p in parts)
 
 
-def epoch_order(blocks: Sequence[Sequence[int]], seed: int, epoch: int) -> list[int]:
-    """split=samples: the epoch's shard order, the shards the sample sequence reads in turn: each
-    block (node_blocks) shuffled (seed + epoch), the blocks in node order, so the equal rank spans
-    cut from it fall in their node's block. One block of every shard is the global order,
-    shard_order(range(n), seed, epoch, 1), the same permutation."""
+def epoch_order(blocks: Sequence[Sequence[Part]], seed: int, epoch: int) -> list[Part]:
+    """split=samples: the epoch's order, the parts of shards the sample sequence reads in turn:
+    each node's block (node_parts) shuffled (seed + epoch), the blocks in node order, so each
+    node's samples are one stretch of the sequence. One block of every shard is the global
+    order, shard_order(range(n), seed, epoch, 1), the same permutation."""
     rng = seeds.epoch_order(seed, epoch)
-    order: list[int] = []
+    order: list[Part] = []
     for block in blocks:
         one = list(block)
         rng.shuffle(one)

@@ -225,9 +225,10 @@ def _resplit(
 
 
 def _sequence(first: RankState, epoch: int, counts: Sequence[int], mix: Mix | None) -> EpochSequence:
-    """The saved run's sequence of ``epoch`` (its padding through the mix, for several data sets)."""
+    """The saved run's sequence of ``epoch`` (its padding through the mix, for several data sets;
+    node by node in the order the epoch began in)."""
     if mix is None:
-        return EpochSequence.of(sum(counts), first.elastic.get(epoch))
+        return EpochSequence.of(sum(counts), first.elastic.get(epoch), order=first.orders.get(epoch, first.order))
     mixed = MixEpoch(mix, first.seed, epoch, first.batch_size)  # type: ignore[arg-type]
     return EpochSequence.of(mixed.total, first.elastic.get(epoch), mixed.padding)
 

@@ -8,12 +8,15 @@ batches (``Layout.batches``), so the virtual positions run on past M, up to k x 
 is the padding, and ``EpochSequence.runs`` says which real position each of those reads again:
   - a whole epoch of one data set, or any epoch re-split on resume: the sequence's first
     positions again (virtual v is v mod M);
+  - a whole epoch of one data set read node by node (loader.shard_order=node): each node's
+    stretch of virtual positions (its ranks' spans) reads its own share of the sequence
+    (order.node_parts), then that share's first positions again;
   - a whole epoch of several data sets: ``MixEpoch.padding``'s positions, which keep every
     padded batch's shares of the sources.
 A delivered sample carries a tag (``batch["pos"]``): its real position, plus N where it is
-padding. A position reads a sample through ``EpochShards.reads`` (one data set: the epoch's shard
-order) or ``MixEpoch.reads`` (several: each source's stream). Everything here is arithmetic on
-ranges and runs: nothing is O(samples) but a mix's padding (below world x batch size).
+padding. A position reads a sample through ``EpochShards.reads`` (one data set: the epoch's order
+of parts of shards) or ``MixEpoch.reads`` (several: each source's stream). Everything here is
+arithmetic on ranges and runs: nothing is O(samples) but a mix's padding (below world x batch size).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from wdsdist.data.plan.order import GLOBAL, NodeOrder, Part, node_shares
 from wdsdist.data.plan.splits import Layout, span_pieces
 
 Ranges = tuple[tuple[int, int], ...]
@@ -109,20 +113,27 @@ class EpochSequence:
     """An epoch's N positions and the ones a layout reads of it (see the module).
 
     ``padding``: for a whole epoch of several data sets, the real position each padding slot
-    reads (``MixEpoch.padding``: count -> positions); None: the sequence's first positions again."""
+    reads (``MixEpoch.padding``: count -> positions); None: the sequence's first positions again.
+    ``order``: for a whole epoch read node by node, its nodes and the span of each (order.NodeOrder)."""
 
     total: int
     ranges: Ranges
     padding: Callable[[int], Sequence[int]] | None = field(default=None, compare=False)
+    order: NodeOrder = GLOBAL
 
     @classmethod
     def of(
-        cls, total: int, resplit: Ranges | None = None, padding: Callable[[int], Sequence[int]] | None = None
+        cls,
+        total: int,
+        resplit: Ranges | None = None,
+        padding: Callable[[int], Sequence[int]] | None = None,
+        order: NodeOrder = GLOBAL,
     ) -> EpochSequence:
-        """A whole epoch of ``total`` positions, or (``resplit``) the ones a resume left of it."""
+        """A whole epoch of ``total`` positions (read node by node where ``order`` has several),
+        or (``resplit``) the ones a resume left of it."""
         if resplit is not None:
             return cls(total, tuple(resplit))
-        return cls(total, whole_epoch(total), padding)
+        return cls(total, whole_epoch(total), padding, order)
 
     @cached_property
     def length(self) -> int:
@@ -143,6 +154,8 @@ class EpochSequence:
     def runs(self, start: int, stop: int) -> list[Run]:
         """Virtual positions [start, stop) as runs of real positions, in reading order, each with
         the tag of its first sample (real, or N + real for the padding)."""
+        if self.order[0] > 1:
+            return self._node_runs(start, stop)
         m, out = self.length, []
         if m <= 0:
             return out
@@ -157,6 +170,28 @@ class EpochSequence:
             pad = consecutive(int(p) for p in self.padding(stop - m)[lo - m :])
         return out + [(a, b, a + self.total) for a, b in pad]
 
+    def _node_runs(self, start: int, stop: int) -> list[Run]:
+        """``runs`` node by node: node n's virtual positions [n x span, (n + 1) x span) read its
+        share of the sequence, then (pad) its share's first positions again; with drop its share's
+        last positions are left over."""
+        nodes, span = self.order
+        out: list[Run] = []
+        base = 0
+        for node, own in enumerate(node_shares(self.total, nodes)):
+            u0, u1 = max(start - node * span, 0), min(stop - node * span, span)
+            if u0 < u1 and own <= 0:
+                raise ValueError(f"node {node} holds no sample of {self.total} to read ({nodes} nodes)")
+            if u0 < min(u1, own):
+                out.append((base + u0, base + min(u1, own), base + u0))
+            u = max(u0, own)
+            while u < u1:  # the padding: the node's own first positions again
+                at = (u - own) % own
+                take = min(own - at, u1 - u)
+                out.append((base + at, base + at + take, self.total + base + at))
+                u += take
+            base += own
+        return out
+
     def real(self, start: int, stop: int) -> list[tuple[int, int]]:
         """The real positions virtual positions [start, stop) read, as (start, stop) runs."""
         return [(a, b) for a, b, _ in self.runs(start, stop)]
@@ -168,23 +203,34 @@ class EpochSequence:
 
 
 class EpochShards:
-    """One data set's epoch: its shards in the epoch's order (order.epoch_order), read as one
-    sequence; position p is sample p - cumulative[slot] of the shard at that slot."""
+    """One data set's epoch: its parts of shards (order.Part; a shard index: the whole shard) in
+    the epoch's order (order.epoch_order), read as one sequence; position p is sample
+    p - cumulative[slot] of the part at that slot, counted from the part's first sample."""
 
-    def __init__(self, counts: Sequence[int], order: Sequence[int]):
-        self.order = list(order)
-        self.cumulative = list(itertools.accumulate((counts[i] for i in self.order), initial=0))
+    def __init__(self, counts: Sequence[int], order: Sequence[int | Part]):
+        self.order: list[Part] = [(i, 0, counts[i]) if isinstance(i, int) else tuple(i) for i in order]  # type: ignore[misc]
+        self.cumulative = list(itertools.accumulate((b - a for _, a, b in self.order), initial=0))
         self.total = self.cumulative[-1]
+        # shard -> the parts of it that are not the whole shard (a node's share, cut at its edge)
+        self.partial: dict[int, list[tuple[int, int]]] = {}
+        for i, a, b in self.order:
+            if (a, b) != (0, counts[i]):
+                self.partial.setdefault(i, []).append((a, b))
 
     def reads(self, runs: Sequence[Run]) -> tuple[None, list[list[Piece]]]:
         """What reading these runs takes: one source (None: no per-position sources), its shard
-        pieces in the runs' order."""
+        pieces in the runs' order (a piece never crosses from one part into another)."""
         pieces = [
-            (self.order[slot], first, last)
+            (self.order[slot][0], self.order[slot][1] + first, self.order[slot][1] + last)
             for a, b, _ in runs
             for slot, first, last, _ in span_pieces(self.cumulative, a, b)
         ]
         return None, [pieces]
+
+    def part_of(self, piece: Piece) -> tuple[int, int] | None:
+        """The part of its shard a piece reads in, where that is not the whole shard (None)."""
+        index, first, _ = piece
+        return next(((a, b) for a, b in self.partial.get(index, ()) if a <= first < b), None)
 
 
 def tags(runs: Iterable[Run]) -> Iterator[int]:

@@ -27,8 +27,10 @@ Each rank's entry (``RankState``):
     stream_seed             a stream reseeded on another layout (split=shards): the seed it runs
                             with, which a resume on its layout goes on with
     shards, samples, counts the data: shard count, sample total, a digest of the per-shard counts
-    order, orders           split=samples: the node blocks of this layout's shard order, and of
-                            the epochs in flight read in another layout's (loader.shard_order=node)
+    order, orders           split=samples: the nodes this layout's order keeps blocks for, and
+                            those of the epochs in flight read in another layout's order
+                            (loader.shard_order=node; version 1 cut the nodes otherwise: its
+                            states in the middle of a node-ordered epoch are refused)
     elastic                 epochs re-split on an earlier resume: their remaining positions as
                             [a, b) ranges (rank 0 holds them; the other ranks say "as rank 0")
     mix, sources, mix_spec  several data sets: the mix's digest, its sources (name, setting,
@@ -218,7 +220,14 @@ class LoaderState:
             raise UserError(f"{where} is not a readable wdsdist loader state: {what}") from None
         if all(r is None for r in ranks):
             raise UserError(f"{where} holds no rank's position")
-        return cls(ranks, steps, before)
+        saved = cls(ranks, steps, before)
+        old = version == 1 or version is None and all((d or {}).get("version", 1) == 1 for d in entries)
+        if old and saved.in_flight and any(o[0] > 1 for r in ranks if r for o in (r.order, *r.orders.values())):
+            raise UserError(
+                f"{where} was saved in the middle of epoch {saved.first.point.epoch} with loader.shard_order=node by "
+                f"an earlier version, whose nodes read other samples: resume from a checkpoint at an epoch's end"
+            )
+        return saved
 
 
 def gathered(ranks: list[dict | None], steps: int, before_resume: int) -> dict:
