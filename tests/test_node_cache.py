@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.loading import cfg
-from tests.helpers.servers import Servers
+from tests.helpers.servers import Servers, counting_store
 from tests.helpers.training import overrides, torchrun
 from wdsdist.data import CACHE_COUNTS, Loader
 from wdsdist.data.sources import cache, cachefiles, opener
@@ -119,8 +119,8 @@ def access(folder: Path, limit: int | None = None) -> opener.Access:
     return opener.Access(cache_dir=str(folder), cache_limit=limit, http_retry_s=0)
 
 
-def read_all(url: str, folder: Path, limit: int | None = None, start: int = 0) -> bytes:
-    with opener.open_shard(url, access(folder, limit), start=start) as stream:
+def read_all(url: str, folder: Path, limit: int | None = None, start: int = 0, span=None) -> bytes:
+    with opener.open_shard(url, access(folder, limit), start=start, span=span) as stream:
         return stream.read()
 
 
@@ -332,7 +332,7 @@ def test_a_hostile_name_stays_inside_the_cache_and_equal_base_names_are_two_entr
 # ---------------------------------------------------------------- 7. a downloader killed mid-file
 
 
-def _download_in_child(url: str, folder: str, wrote) -> None:
+def _download_in_child(url: str, folder: str, wrote, span) -> None:
     write = cachefiles.write_part
 
     def signalled(fd, data):
@@ -340,10 +340,11 @@ def _download_in_child(url: str, folder: str, wrote) -> None:
         wrote.set()
 
     cachefiles.write_part = signalled
-    read_all(url, Path(folder))
+    read_all(url, Path(folder), start=span[0] if span else 0, span=span)
 
 
-def test_a_downloader_killed_mid_file_leaves_the_cache_usable_and_its_part_is_cleared(tmp_path, store):
+@pytest.mark.parametrize("span", [None, (1000, None)], ids=["whole", "span"])
+def test_a_downloader_killed_mid_file_leaves_the_cache_usable_and_its_part_is_cleared(tmp_path, store, span):
     # Larger than a copy's read (cachefiles.CHUNK), so the first half reaches the part file on its own.
     shard = tmp_path / "data" / "big.tar"
     shard.parent.mkdir()
@@ -352,7 +353,7 @@ def test_a_downloader_killed_mid_file_leaves_the_cache_usable_and_its_part_is_cl
     url, path, folder = f"{base}/big.tar", "/big.tar", tmp_path / "cache"
     counts.hold.add(path)
     wrote = FORK.Event()
-    child = FORK.Process(target=_download_in_child, args=(url, str(folder), wrote))
+    child = FORK.Process(target=_download_in_child, args=(url, str(folder), wrote, span))
     child.start()
     assert wrote.wait(WAIT)  # half the shard is in its part file, and its locks are held
     [part] = [p for p in folder.iterdir() if ".part-" in p.name]
@@ -361,9 +362,54 @@ def test_a_downloader_killed_mid_file_leaves_the_cache_usable_and_its_part_is_cl
     child.join(WAIT)
     counts.release.set()
     before = cache.counts()
-    assert read_all(url, folder) == shard.read_bytes()
+    lo = span[0] if span else 0
+    assert read_all(url, folder, start=lo, span=span) == shard.read_bytes()[lo:]
     assert not part.exists() and not [p for p in folder.iterdir() if ".part-" in p.name]
     assert since(before)["misses"] == 1 and counts.gets[path] == 2
+
+
+# ---------------------------------------------------------------- 8. span entries: a node's part of a shard
+
+
+@pytest.mark.parametrize("ranged", [True, False], ids=["store-honours-range", "store-ignores-range"])
+def test_a_span_entry_fetches_only_its_bytes_once_and_serves_every_read_inside_it(tmp_path, store, ranged):
+    """loader.shard_order=node keeps a node's part of a shard another node reads the rest of as a
+    span entry: one ranged request for exactly its bytes (a store that ignores Range is read from
+    its start, and only the span kept), every later read inside the span a hit, and the object's
+    other spans and the whole object entries of their own."""
+    shard = tmp_path / "data" / "part.tar"
+    shard.parent.mkdir()
+    data = os.urandom(50_000)
+    shard.write_bytes(data)
+    servers = Servers()
+    with servers:
+        if ranged:
+            handler, sent = counting_store(shard.parent)
+            base = servers.start(handler)
+        else:
+            base, counts = store(shard.parent)
+            sent = counts.sent
+        _read_spans(f"{base}/part.tar", tmp_path / "cache", data, sent if ranged else None)
+
+
+def _read_spans(url: str, folder: Path, data: bytes, sent: dict | None) -> None:
+    before = cache.counts()
+    span = (10_000, 30_000)
+    assert read_all(url, folder, start=12_345, span=span) == data[12_345:30_000]
+    assert read_all(url, folder, start=10_000, span=span) == data[10_000:30_000]
+    got = since(before)
+    assert (got["misses"], got["hits"], got["fetched_bytes"]) == (1, 1, 20_000)
+    [entry] = folder.glob("*.data")
+    assert entry.name.endswith("-part.tar.10000-30000.data") and entry.stat().st_size == 20_000
+    meta = json.loads(entry.with_suffix(".meta").read_text())
+    assert (meta["url"], meta["size"], meta["range"]) == (url, 20_000, [10_000, 30_000])
+    assert read_all(url, folder, start=40_000, span=(30_000, None)) == data[40_000:]  # to the end: its own entry
+    assert read_all(url, folder) == data  # and the whole object another
+    assert sorted(p.stat().st_size for p in folder.glob("*.data")) == [20_000, 20_000, 50_000]
+    if sent is not None:
+        assert sent["/part.tar"] == 20_000 + 20_000 + 50_000  # each entry's bytes, once
+    with pytest.raises(ValueError, match="lies before the span"):
+        read_all(url, folder, start=5, span=span)
 
 
 def test_a_part_left_by_a_dead_process_is_cleared_when_the_next_process_starts(tmp_path):

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.conftest import write_tiny_shards
-from tests.helpers.servers import Servers
+from tests.helpers.servers import Servers, counting_store
+from wdsdist import simdist
 from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
@@ -29,6 +30,9 @@ from wdsdist.data.plan.order import GLOBAL, epoch_order, node_order, node_parts,
 from wdsdist.data.plan.sequence import EpochSequence, EpochShards
 from wdsdist.data.plan.splits import rank_batches
 from wdsdist.data.plan.state import LoaderState
+from wdsdist.data.sources.index import local_sample_offsets, write_index
+from wdsdist.data.sources.shardspec import SampleOffsets, Shard
+from wdsdist.data.sources.spanread import part_span
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
 
@@ -267,6 +271,98 @@ def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tm
     print(f"store sent over 3 epochs: {sent} bytes; the data set is {dataset} bytes")
     assert dataset <= sent["node"] <= 1.1 * dataset
     assert sent["global"] > 1.5 * dataset
+
+
+# ---------------------------------------------------------------- (c2) uneven shards: the plan is what the store sends
+
+UNEVEN = [9 + (i * 5) % 7 for i in range(16)]  # 16 shards of 9 .. 15 samples
+EGRESS_LAYOUTS = [
+    # (nodes, ranks per node, batch size)
+    (2, 2, 3),
+    (3, 1, 4),
+    (4, 2, 2),
+]
+
+
+def _offsets_of(offsets):
+    """The table read_span gets from an index written with offset_every=1."""
+    return SampleOffsets(1, b"".join(o.to_bytes(8, "little") for o in offsets))
+
+
+def _rank(spec, rank, world, node_ranks, bs, folder, out) -> None:
+    """One rank of a node whose cache is ``folder``: 3 epochs; its keys and batch counts."""
+    try:
+        c = cfg(node_ranks=node_ranks, cache_dir=folder, batch_size=bs, shuffle_buffer=0)
+        loader = Loader(spec, c, rank=rank, world=world)
+        epochs = [[key for b in loader for key in b["key"]] for _ in range(3)]
+        out.put((rank, (epochs, len(loader))))
+    except BaseException as exc:  # noqa: BLE001 (the parent fails with it)
+        out.put((rank, repr(exc)))
+
+
+def run_nodes(bases, sent, node_ranks, bs, caches):
+    """Every rank of the nodes, node n reading its store (``bases[n]``) through its cache folder
+    (``caches[n]``): each rank's (keys per epoch, batches per epoch), and the bytes of .tar each
+    store sent meanwhile (``sent``: what the stores count in)."""
+    before = [sum(n for path, n in counted.items() if path.endswith(".tar")) for counted in sent]
+    out, world = FORK.Queue(), len(bases) * node_ranks
+    ranks = []
+    for r in range(world):
+        node = r // node_ranks
+        args = (f"{bases[node]}/u.index.json", r, world, node_ranks, bs, str(caches[node]), out)
+        ranks.append(FORK.Process(target=_rank, args=args))
+    for rank in ranks:
+        rank.start()
+    results = dict(out.get(timeout=WAIT) for _ in ranks)
+    for rank in ranks:
+        rank.join(WAIT)
+    assert all(isinstance(r, tuple) for r in results.values()), results
+    after = [sum(n for path, n in counted.items() if path.endswith(".tar")) for counted in sent]
+    return results, [b - a for a, b in zip(before, after, strict=True)]
+
+
+@pytest.mark.parametrize("nodes,per_node,bs", EGRESS_LAYOUTS)
+def test_over_uneven_shards_each_node_fetches_its_own_samples_once_as_simdist_plans(tmp_path, nodes, per_node, bs):
+    """Each node's cache fetches its whole shards and, at a cut, its part of the shard another node
+    reads the rest of (one ranged read of that part's bytes, from the index's offsets): over three
+    epochs the stores send the data set exactly once, each node what simdist's plan says, and a
+    warm rerun nothing. Every epoch delivers every key once but each node's padding, its own."""
+    root = tmp_path / "data"
+    write_tiny_shards(root, UNEVEN, "u", size=16)
+    tars = sorted(root.glob("u-*.tar"))
+    offsets = [local_sample_offsets(str(t)) for t in tars]
+    shards = [(str(t), n) for t, n in zip(tars, UNEVEN, strict=True)]
+    write_index(str(root / "u.index.json"), shards, offsets=offsets, offset_every=1)
+    sizes = [t.stat().st_size for t in tars]
+    world = nodes * per_node
+    caches = [tmp_path / f"cache-{n}" for n in range(nodes)]
+    stores = [counting_store(root) for _ in range(nodes)]
+    counted = [c for _, c in stores]
+    with Servers() as servers:
+        bases = [servers.start(handler) for handler, _ in stores]
+        results, sent = run_nodes(bases, counted, per_node, bs, caches)
+        again = run_nodes(bases, counted, per_node, bs, caches)[1] if nodes == 2 else [0] * nodes
+
+    order = layout_order(UNEVEN, world, per_node, bs)
+    k = rank_batches(sum(UNEVEN), world, bs, "pad")
+    for epoch in range(3):
+        keys = Counter(key for rank in range(world) for key in results[rank][0][epoch])
+        assert keys == epoch_keys(UNEVEN, order, 3, epoch, world, bs)
+    assert {len(results[r][0][e]) for r in range(world) for e in range(3)} == {k * bs}  # equal batches
+    assert {results[r][1] for r in range(world)} == {k}
+
+    def part_bytes(i, first, stop):
+        lo, hi = part_span(Shard(str(tars[i]), UNEVEN[i], _offsets_of(offsets[i])), (first, stop))
+        return (sizes[i] if hi is None else hi) - lo
+
+    plan = simdist.node_egress(
+        UNEVEN, sizes, world=world, node_ranks=per_node, batch_size=bs, nepochs=3, seed=3,
+        shard_order="node", cache_bytes=1 << 40, part_bytes=part_bytes,
+    )  # fmt: skip
+    assert sent == [sum(row[n] for row in plan.cached) for n in range(nodes)]  # plan == measured, per node
+    assert sum(sent) == sum(sizes)  # the data set once: each sample's bytes fetched by one node, once
+    assert all(row == (0,) * nodes for row in plan.cached[1:])  # nothing after the first epoch
+    assert again == [0] * nodes  # a warm rerun sends nothing
 
 
 # ---------------------------------------------------------------- (d) elastic resume onto another node count

@@ -35,19 +35,23 @@ def test_the_node_order_fetches_each_shard_once_and_the_global_order_what_each_n
     assert sum(map(sum, world.cached)) > sum(map(sum, node.cached)) == node.dataset == 400
 
 
-def test_a_partial_shard_costs_its_share_without_a_cache_and_the_whole_shard_with_one():
-    e = egress([10, 10, 10], shard_order="node", cache_bytes=1000, nepochs=1)
-    # 30 samples, 2 nodes of 15: each keeps one whole shard and half of the third.
-    assert e.direct == ((150, 150),)
-    assert e.cached == ((200, 200),)
+def test_a_partial_shard_costs_its_share_with_a_cache_or_without():
+    e = egress([10, 10, 10], shard_order="node", cache_bytes=1000, nepochs=2)
+    # 30 samples, 2 nodes of 15: each keeps one whole shard and half of the third, which its
+    # cache fetches as a span of half the shard's bytes (a ranged read), never whole.
+    assert e.direct == ((150, 150),) * 2
+    assert e.cached == ((150, 150), (0, 0))
+    priced = egress([10, 10, 10], shard_order="node", cache_bytes=1000, nepochs=1, part_bytes=lambda i, a, b: 77)
+    assert priced.cached == ((177, 177),)  # the part priced as the loader's ranged read of it
 
 
-def test_the_padding_is_read_again_and_a_shard_over_the_cache_goes_to_the_store_each_time():
+def test_the_padding_is_read_again_and_an_entry_over_the_cache_goes_to_the_store_each_time():
     e = egress([10] * 5, shard_order="node", batch_size=4, cache_bytes=50, nepochs=2)
     # 50 samples padded to 56 (2 ranks x 7 batches of 4), 28 per node. Each node keeps 25: two
     # shards and half of the fifth; it reads its 25 and the padding, its own first 3 again.
     assert e.direct == ((280, 280),) * 2
-    assert e.cached == ((300, 300),) * 2  # nothing kept (100 B > 50 B): every shard touched, whole
+    # The shards (100 B > 50 B) go to the store every epoch; the half shard (50 B) is kept.
+    assert e.cached == ((250, 250), (200, 200))
 
 
 def test_a_small_cache_refetches_what_it_evicted():

@@ -7,15 +7,17 @@ A node is ``node_ranks`` consecutive ranks (torchrun numbers them so). Without a
 fetches what its ranks read: with split=samples the samples of its ranks' spans, as their share
 of each shard's bytes (a mid-shard start is a Range request); with split=shards its ranks' whole
 shards, ``dsrepeat`` times. With a cache (loader.cache_dir) every shard a node touches is fetched
-whole, once, and kept in a least-recently-used cache of ``cache_bytes``: a later epoch fetches
-only what the node has not kept. A shard larger than the cache is read from the store each time,
-as the cache does. The nbatches cut is not modelled: it reads less.
+once, whole, or (shard_order=node) the node's part of a shard another node reads the rest of, as
+one ranged read of that part's bytes; each is kept in a least-recently-used cache of
+``cache_bytes``: a later epoch fetches only what the node has not kept. An entry larger than the
+cache is read from the store each time, as the cache does. The nbatches cut is not modelled: it
+reads less.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from wdsdist.data.plan.order import epoch_order, node_order, node_parts
@@ -59,7 +61,7 @@ def node_reads(
     out = []
     for node in range(world // node_ranks):  # the node's ranks hold consecutive spans
         _, (pieces,) = shards.reads(sequence.runs(node * length, (node + 1) * length))
-        out.append([(p, (p[0], 0, counts[p[0]])) for p in pieces])
+        out.append([(p, (p[0], *(shards.part_of(p) or (0, counts[p[0]])))) for p in pieces])
     return out
 
 
@@ -78,8 +80,12 @@ def node_egress(
     shard_order: str = "global",
     dsrepeat: int = 1,
     cache_bytes: int | None = None,
+    part_bytes: Callable[[int, int, int], int] | None = None,
 ) -> Egress:
-    """The bytes each node fetches from the store in each epoch, without and with a node cache."""
+    """The bytes each node fetches from the store in each epoch, without and with a node cache.
+    ``part_bytes(shard, first, stop)``: the bytes of the cache's entry of that part of a shard,
+    its ranged read (spanread.part_span, from the index's offsets); None: its share of the
+    shard's bytes."""
     if node_ranks < 1 or world % node_ranks:
         raise UserError(f"--size {world} is not whole nodes of --node-ranks {node_ranks}: give a multiple of it")
     nodes = world // node_ranks
@@ -111,7 +117,8 @@ def node_egress(
                 continue
             cache = caches[node]
             for unit in dict.fromkeys(touched):  # a shard two ranks read is one download
-                size = shard_bytes[unit[0]] if unit[1:] == (0, counts[unit[0]]) else share(*unit)
+                whole = unit[1:] == (0, counts[unit[0]])
+                size = shard_bytes[unit[0]] if whole else (part_bytes or share)(*unit)
                 if unit in cache:
                     cache.move_to_end(unit)
                     continue

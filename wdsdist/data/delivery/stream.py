@@ -38,13 +38,14 @@ from wdsdist.data.plan import seeds
 from wdsdist.data.plan.mix import Mix, MixEpoch
 from wdsdist.data.plan.order import GLOBAL, NodeOrder, Part, epoch_order, node_order, node_parts, shard_order, shuffled
 from wdsdist.data.plan.restore import Restored
-from wdsdist.data.plan.sequence import EpochSequence, EpochShards, tags
+from wdsdist.data.plan.sequence import EpochSequence, EpochShards, Piece, tags
 from wdsdist.data.plan.splits import Layout, split_by_rank, split_by_worker
 from wdsdist.data.sources.ahead import ReadAhead
+from wdsdist.data.sources.cachefiles import Span
 from wdsdist.data.sources.opener import open_shard
 from wdsdist.data.sources.retry import StoreDown, describe
 from wdsdist.data.sources.shardspec import Shard
-from wdsdist.data.sources.spanread import read_span
+from wdsdist.data.sources.spanread import part_span, read_span
 from wdsdist.data.tar.lateread import read_late
 from wdsdist.data.tar.tarread import tar_samples
 from wdsdist.errors import DataError
@@ -85,6 +86,11 @@ def _opening(samples: Iterator[T], opened: Callable[[], None]) -> Iterator[T]:
         opened()
     yield first
     yield from samples
+
+
+def _whole(piece: Piece) -> None:
+    """A piece of a mix's source: its shard's cache entry is the whole shard."""
+    return None
 
 
 def _raise_later(exc: Exception) -> Iterator:
@@ -232,7 +238,8 @@ class ShardStream(IterableDataset):
         sources, pieces = where.reads(runs)
         if sources is not None and cfg.mix == "stratified":
             self._stripe(epoch, sources, whole=epoch not in self.elastic)
-        readers = [self._source_samples(p, worker, bad) for p in pieces]
+        part_of = where.part_of if isinstance(where, EpochShards) else _whole
+        readers = [self._source_samples(p, worker, bad, part_of) for p in pieces]
         which = itertools.repeat(0) if sources is None else sources.tolist()
         for tag, source in zip(tags(runs), which, strict=False):  # which: endless for one source
             sample = next(readers[source])
@@ -252,26 +259,35 @@ class ShardStream(IterableDataset):
             carry = [0.0] * width
             self.stripes[epoch] = [quotas(shares, carry, size) for _ in range(len(sources) // size)]
 
-    def _source_samples(self, pieces: list[tuple[int, int, int]], worker: int, bad: list) -> Iterator[dict]:
+    def _source_samples(
+        self, pieces: list[Piece], worker: int, bad: list, part_of: Callable[[Piece], tuple[int, int] | None]
+    ) -> Iterator[dict]:
         """One source's samples of these (shard, first, stop) pieces, a FAILED placeholder for each
-        that its read did not deliver."""
+        that its read did not deliver. ``part_of``: the part of its shard a piece lies in, where
+        the node cache keeps that part alone (EpochShards.part_of)."""
         shards = self.all_shards
-        ahead = ReadAhead(pieces, lambda piece: shards[piece[0]].url, self.cfg.access, self.cfg.cache_ahead)
-        for index, first, last in ahead:
+
+        def target(piece: Piece) -> tuple[str, Span | None]:
+            return shards[piece[0]].url, part_span(shards[piece[0]], part_of(piece))
+
+        ahead = ReadAhead(pieces, target, self.cfg.access, self.cfg.cache_ahead)
+        for piece in ahead:
+            index, first, last = piece
             shard = shards[index]
-            got, read = 0, functools.partial(self._read_piece, shard, first, last)
+            got, read = 0, functools.partial(self._read_piece, shard, first, last, part_of(piece))
             for sample in self._read_guarded(shard.url, read, worker, bad, ahead.opened):
                 got += 1
                 yield sample
             for _ in range(got, last - first):
                 yield {FAILED: True}
 
-    def _read_piece(self, shard: Shard, first: int, last: int) -> Iterator[dict]:
-        """Samples first..last-1 of a shard; one that ends before ``last`` fails (its count was wrong)."""
+    def _read_piece(self, shard: Shard, first: int, last: int, part: tuple[int, int] | None) -> Iterator[dict]:
+        """Samples first..last-1 of a shard (in ``part`` of it: read_span's); one that ends before
+        ``last`` fails (its count was wrong)."""
         cfg = self.cfg
         got = 0
         wanted, limit = cfg.wanted_suffixes, cfg.max_member_bytes
-        for sample in read_span(shard, first, last, cfg.access, wanted, limit, late=cfg.read_late):
+        for sample in read_span(shard, first, last, cfg.access, wanted, limit, late=cfg.read_late, part=part):
             got += 1
             yield sample
         if got < last - first:
@@ -296,7 +312,7 @@ class ShardStream(IterableDataset):
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
         its URL appended to ``bad`` (or raises DataError in strict mode)."""
-        ahead = ReadAhead(urls, str, self.cfg.access, self.cfg.cache_ahead)
+        ahead = ReadAhead(urls, lambda url: (url, None), self.cfg.access, self.cfg.cache_ahead)
         for url in ahead:
             yield from self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad, ahead.opened)
 

@@ -24,17 +24,21 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from wdsdist.data.sources import cache
+from wdsdist.data.sources.cachefiles import Span
 from wdsdist.data.sources.opener import Access, fetch_ahead
 
 T = TypeVar("T")
 
 
 class ReadAhead(Generic[T]):
-    """A worker's plan (``items``, each naming its shard through ``url_of``), iterated once, with
-    the next ``depth`` remote shards fetched into ``access.cache_dir`` in the background (0, or
-    no cache: nothing is)."""
+    """A worker's plan (``items``, each naming its shard through ``url_of``: its URL, and the span
+    of its bytes the cache keeps as one entry, or None: all of it), iterated once, with the next
+    ``depth`` remote shards fetched into ``access.cache_dir`` in the background (0, or no cache:
+    nothing is)."""
 
-    def __init__(self, items: Iterable[T], url_of: Callable[[T], str], access: Access, depth: int) -> None:
+    def __init__(
+        self, items: Iterable[T], url_of: Callable[[T], tuple[str, Span | None]], access: Access, depth: int
+    ) -> None:
         self.items = iter(items)
         self.url_of, self.access = url_of, access
         self.depth = depth if access.cache_dir is not None else 0
@@ -42,7 +46,7 @@ class ReadAhead(Generic[T]):
         self.at = -1  # the position in the plan of the item the worker took last
         self.open = -1  # the position of the last shard the worker has opened (or failed to)
         self.planned = -1  # the last position handed to the thread (or passed over: local)
-        self.todo: deque[tuple[int, str]] = deque()  # (position, url) for the thread, in order
+        self.todo: deque[tuple[int, str, Span | None]] = deque()  # (position, url, span) for the thread
         self.pins: dict[int, cache.Pin] = {}  # position -> its entry, fetched, not opened yet
         self.cond = threading.Condition()
         self.stop = threading.Event()
@@ -80,9 +84,9 @@ class ReadAhead(Generic[T]):
                 self.pins.pop(position).close()
             for offset, item in enumerate(self.peeked, start=self.at + 1):
                 if offset > self.planned:
-                    url = self.url_of(item)
+                    url, span = self.url_of(item)
                     if cache.cacheable(url):
-                        self.todo.append((offset, url))
+                        self.todo.append((offset, url, span))
                     self.planned = offset
             if not self.todo:
                 return
@@ -98,11 +102,11 @@ class ReadAhead(Generic[T]):
                     self.cond.wait()
                 if self.stop.is_set():
                     return
-                position, url = self.todo.popleft()
+                position, url, span = self.todo.popleft()
                 if position <= self.open:
                     continue  # the worker has opened it already (a download of it, its own)
             try:
-                pin = fetch_ahead(url, self.access, self.stop)
+                pin = fetch_ahead(url, self.access, self.stop, span)
             except cache.CacheFull:
                 with self.cond:  # no room now: try again once the worker has moved on
                     self.todo.clear()

@@ -23,10 +23,10 @@ from typing import IO, Any
 
 from wdsdist.data.sources import cachefiles
 from wdsdist.data.sources.cachecounts import CACHE_COUNTS, Counts, count, counts, take_counts
-from wdsdist.data.sources.cachefiles import FULL, CachedFile, Entry, Pin, acquire, cacheable, entry_name, unlink
+from wdsdist.data.sources.cachefiles import FULL, CachedFile, Entry, Pin, Span, acquire, cacheable, entry_name, unlink
 from wdsdist.data.sources.retry import describe
 
-__all__ = ["CACHE_COUNTS", "CacheFull", "Counts", "NodeCache", "Pin", "cacheable", "counts", "entry_name"]
+__all__ = ["CACHE_COUNTS", "CacheFull", "Counts", "NodeCache", "Pin", "Span", "cacheable", "counts", "entry_name"]
 __all__ += ["fetch_ahead", "open_cached", "prepare", "take_counts"]
 
 log = logging.getLogger(__name__)
@@ -93,15 +93,16 @@ def open_cached(
     start: int,
     fetch: Callable[[], Any],
     direct: Callable[[], IO[bytes]],
+    span: Span | None = None,
 ) -> IO[bytes]:
     """The shard at ``url`` from byte ``start``: from its entry in ``folder``, fetched there first
-    with ``fetch()`` (the whole object, as a stream) where it is missing; ``direct()`` (the store,
-    as without a cache) where the cache cannot take it."""
+    with ``fetch()`` (the whole object, or its ``span`` of bytes, as a stream) where it is
+    missing; ``direct()`` (the store, as without a cache) where the cache cannot take it."""
     cache = node_cache(folder, limit)
     if cache is None:
         count(bypassed=1)
         return direct()
-    return cache.open(url, start, fetch, direct)
+    return cache.open(url, start, fetch, direct, span)
 
 
 class CacheFull(Exception):
@@ -110,18 +111,31 @@ class CacheFull(Exception):
 
 
 def fetch_ahead(
-    url: str, folder: str, limit: int | None, fetch: Callable[[], Any], stop: threading.Event
+    url: str, folder: str, limit: int | None, fetch: Callable[[], Any], stop: threading.Event, span: Span | None = None
 ) -> Pin | None:
     """Fetch the shard at ``url`` into the cache before its worker opens it: its entry, pinned
     (``Pin``), where it is there now; None where the store failed (counted in ahead_failed; the
     worker's own open meets the error and reports it) or another process is fetching it (the
     worker's open waits for that download). Raises CacheFull where the cache cannot take it now,
     without a warning: the worker's own open says why, once. Setting ``stop`` ends a download
-    between two reads of the store."""
+    between two reads of the store. ``span``: as open_cached's."""
     cache = node_cache(folder, limit)
     if cache is None or not cacheable(url):
         raise CacheFull(url)
-    return cache.fetch_ahead(url, fetch, stop)
+    return cache.fetch_ahead(Entry(cache.folder, url, span), fetch, stop)
+
+
+def _expected(stream: Any, headers: Any, span: Span | None) -> int | None:
+    """The bytes a download of the object (or its ``span``) brings, where the store said: the
+    span's length where it ends inside the object; a server that ignored Range (200) announced
+    the whole object, of which the stream holds what follows the span's start."""
+    size = cachefiles.content_length(headers)
+    if span is None:
+        return size
+    lo, hi = span
+    if hi is not None:
+        return hi - lo
+    return size - lo if size is not None and getattr(stream, "status", None) == 200 else size
 
 
 class _LocalError(Exception):
@@ -151,22 +165,26 @@ class NodeCache:
             free = os.statvfs(self.folder)
             limit = (used + free.f_bavail * free.f_frsize) // 2
         self.limit = limit
-        self.too_big: set[str] = set()  # URLs larger than the limit: straight to the store
+        self.too_big: set[str] = set()  # entries (their base paths) larger than the limit: straight to the store
         self.largest = 0  # the largest shard this process fetched: what read-ahead expects to need room for
 
-    def open(self, url: str, start: int, fetch: Callable[[], Any], direct: Callable[[], IO[bytes]]) -> IO[bytes]:
-        entry = Entry(self.folder, entry_name(url))
+    def open(
+        self, url: str, start: int, fetch: Callable[[], Any], direct: Callable[[], IO[bytes]], span: Span | None = None
+    ) -> IO[bytes]:
+        if span is not None and start < span[0]:
+            raise ValueError(f"{url}: byte {start} lies before the span {span} its entry holds")
+        entry = Entry(self.folder, url, span)
         try:
             lock = acquire(entry.lock, fcntl.LOCK_SH)  # waits only while an entry is being evicted
         except OSError as exc:
             return self._bypass(exc, direct)
         assert lock is not None
         try:
-            fd = entry.verified(url)
+            fd = entry.verified()
             if fd is not None:
                 count(hits=1)
             else:
-                fd = self._fill(entry, url, fetch)
+                fd = self._fill(entry, fetch)
         except _LocalError as exc:
             os.close(lock)
             return self._bypass(exc.error, direct)
@@ -177,22 +195,22 @@ class NodeCache:
         except BaseException:
             os.close(lock)
             raise
-        return CachedFile(fd, lock, start)
+        return CachedFile(fd, lock, start - (span[0] if span else 0))
 
-    def fetch_ahead(self, url: str, fetch: Callable[[], Any], stop: threading.Event) -> Pin | None:
+    def fetch_ahead(self, entry: Entry, fetch: Callable[[], Any], stop: threading.Event) -> Pin | None:
         """``fetch_ahead`` in this folder."""
-        if url in self.too_big:
+        url = entry.what
+        if entry.base in self.too_big:
             raise CacheFull(url)
-        entry = Entry(self.folder, entry_name(url))
         try:
             lock = acquire(entry.lock, fcntl.LOCK_SH)  # held until pinned: no eviction in between
         except OSError:
             raise CacheFull(url) from None
         assert lock is not None
         try:
-            fd = entry.verified(url)
+            fd = entry.verified()
             if fd is None:
-                fd = self._fill_ahead(entry, url, fetch, stop)
+                fd = self._fill_ahead(entry, fetch, stop)
                 if fd is None:
                     return None
             os.close(fd)
@@ -205,9 +223,10 @@ class NodeCache:
         finally:
             os.close(lock)
 
-    def _fill_ahead(self, entry: Entry, url: str, fetch: Callable[[], Any], stop: threading.Event) -> int | None:
+    def _fill_ahead(self, entry: Entry, fetch: Callable[[], Any], stop: threading.Event) -> int | None:
         """_fill for read-ahead: it never waits for another's download, counts what it fetched as
         ahead (not a miss: no shard was opened), and swallows the store's errors."""
+        url = entry.what
         try:
             dl = acquire(entry.dl, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -215,7 +234,7 @@ class NodeCache:
         if dl is None:
             return None  # being fetched by another: the worker's open waits for that download
         try:
-            fd = entry.verified(url)
+            fd = entry.verified()
             if fd is not None:
                 return fd
             if os.path.exists(entry.data):
@@ -224,7 +243,7 @@ class NodeCache:
                 raise CacheFull(url)  # not worth a request that would be dropped
             try:
                 unlink(entry.data, entry.meta, *entry.parts())
-                return self._download(entry, url, fetch, stop)
+                return self._download(entry, fetch, stop)
             except (_NoRoom, _LocalError):
                 raise CacheFull(url) from None
             except Exception:  # noqa: BLE001 (the store's error: the worker's own open reports it)
@@ -238,14 +257,14 @@ class NodeCache:
         count(bypassed=1)
         return direct()
 
-    def _fill(self, entry: Entry, url: str, fetch: Callable[[], Any]) -> int:
+    def _fill(self, entry: Entry, fetch: Callable[[], Any]) -> int:
         """The entry's file, fetched unless another process did it while this one waited."""
         try:
             dl = acquire(entry.dl, fcntl.LOCK_EX)  # waits for a download of this shard in flight
         except OSError as exc:
             raise _LocalError(exc) from None
         try:
-            fd = entry.verified(url)
+            fd = entry.verified()
             if fd is not None:
                 count(hits=1)
                 return fd
@@ -255,28 +274,28 @@ class NodeCache:
                 unlink(entry.data, entry.meta, *entry.parts())  # parts: nobody else holds .dl
             except OSError as exc:
                 raise _LocalError(exc) from None
-            if url in self.too_big:
+            if entry.base in self.too_big:
                 raise _NoRoom
-            return self._download(entry, url, fetch)
+            return self._download(entry, fetch)
         finally:
             os.close(dl)  # type: ignore[arg-type]
 
-    def _download(self, entry: Entry, url: str, fetch: Callable[[], Any], stop: threading.Event | None = None) -> int:
+    def _download(self, entry: Entry, fetch: Callable[[], Any], stop: threading.Event | None = None) -> int:
         """The entry fetched; ``stop`` given: for read-ahead, which takes only a shard whose size
         the store says (so that it never goes past the limit), and stops when it is set."""
         stream = fetch()
         try:
             headers = getattr(stream, "headers", None)
-            size = cachefiles.content_length(headers)
+            size = _expected(stream, headers, entry.span)
             if stop is not None and size is None:
                 raise _NoRoom
             part = entry.part()
-            fd = self._reserve(part, url, size, ahead=stop is not None)
+            fd = self._reserve(part, entry, size, ahead=stop is not None)
             try:
-                written = self._copy(stream, fd, size, url, stop)
+                written = self._copy(stream, fd, size, entry, stop)
                 if size is not None and written != size:
                     raise OSError(f"the store sent {written} of its {size} bytes")
-                meta = {"url": url, "size": written}
+                meta = entry.described(written)
                 for key in ("ETag", "Last-Modified"):
                     if headers is not None and headers.get(key):
                         meta[key.lower()] = str(headers.get(key))
@@ -301,18 +320,18 @@ class NodeCache:
         finally:
             stream.close()
 
-    def _reserve(self, part: str, url: str, size: int | None, ahead: bool = False) -> int:
+    def _reserve(self, part: str, entry: Entry, size: int | None, ahead: bool = False) -> int:
         """The download's part file, made ``size`` bytes long where the store said, once older
         entries are evicted to make room for it; _NoRoom where they cannot be. For read-ahead
         (``ahead``) entries pinned by read-ahead are spared too, and nothing is warned about."""
         if ahead and size is not None and size > self.limit:
             raise _NoRoom  # the worker's own open warns, and marks it too big
         if size is not None and size > self.limit:
-            self.too_big.add(url)
+            self.too_big.add(entry.base)
             warn_once(
                 self.folder,
                 "too big",
-                f"{url} is {size} bytes, more than loader.cache_limit={self.limit}; "
+                f"{entry.what} is {size} bytes, more than loader.cache_limit={self.limit}; "
                 f"shards larger than the limit are read from the store",
             )
             raise _NoRoom
@@ -340,7 +359,7 @@ class NodeCache:
         except OSError as exc:
             raise _LocalError(exc) from None
 
-    def _copy(self, stream: Any, fd: int, size: int | None, url: str, stop: threading.Event | None = None) -> int:
+    def _copy(self, stream: Any, fd: int, size: int | None, entry: Entry, stop: threading.Event | None = None) -> int:
         """The store's bytes into the part file; an error reading the store is raised as it is
         (the shard fails as it would without a cache), one writing the file as _LocalError."""
         buffer = bytearray(cachefiles.CHUNK)
@@ -353,11 +372,11 @@ class NodeCache:
             if stop is not None and stop.is_set():
                 raise _NoRoom  # read-ahead stopped: its worker is done
             if size is None and written + n > self.limit:
-                self.too_big.add(url)
+                self.too_big.add(entry.base)
                 warn_once(
                     self.folder,
                     "too big",
-                    f"{url} is more than loader.cache_limit={self.limit} bytes; "
+                    f"{entry.what} is more than loader.cache_limit={self.limit} bytes; "
                     f"shards larger than the limit are read from the store",
                 )
                 raise _NoRoom

@@ -10,6 +10,12 @@ node), so everything between them goes through the file system:
     part in ``[A-Za-z0-9._-]`` only, so a hostile name stays in the folder, and two buckets' or
     hosts' ``train-000000.tar`` are two entries. A file is used only when its size is the one its
     sidecar records; one that is not (cut short, damaged) is counted, removed and fetched again.
+  - A span entry, ``HASH-TAIL.LO-HI.data`` (``.LO-end``: to the object's end) and its ``.meta``,
+    holds bytes LO .. HI - 1 of the object, fetched with one ranged request; HASH is of the URL
+    and the span, and the sidecar records the span as ``range``: [LO, HI] (HI null: the end). A
+    node keeps its part of a shard that another node reads the rest of this way (the bytes of
+    whole samples, from the index's offsets), never the whole shard. A reader of that part opens
+    the span entry, never the object's; everything below holds for both kinds alike.
   - Readers hold a shared ``flock`` on ``.lock`` while their file is open. Eviction asks for it
     exclusively without waiting, and passes over an entry it cannot get: one in use is never
     removed.
@@ -63,12 +69,19 @@ def cacheable(url: str) -> bool:
     return url.startswith(CACHED_PREFIXES)
 
 
-def entry_name(url: str) -> str:
-    """The entry's name in the folder, without its kind: a hash of the whole URL, then the URL's
-    last part made safe (never a path: no ``/``, and never ``.`` or ``..``, as it begins with the hash)."""
-    digest = hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+Span = tuple[int, int | None]  # bytes [lo, hi) of an object (hi None: to its end)
+
+
+def entry_name(url: str, span: Span | None = None) -> str:
+    """The entry's name in the folder, without its kind: a hash of the whole URL (and the span of
+    its bytes the entry holds, where it holds part of the object), then the URL's last part made
+    safe (never a path: no ``/``, and never ``.`` or ``..``, as it begins with the hash), then
+    the span as ``.LO-HI``."""
+    key = url if span is None else f"{url}\n{span[0]}-{'' if span[1] is None else span[1]}"
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     last = url.rstrip("/").rsplit("/", 1)[-1].partition("?")[0]
-    return f"{digest}-{_UNSAFE.sub('_', last)[-TAIL:]}"
+    tail = "" if span is None else f".{span[0]}-{'end' if span[1] is None else span[1]}"
+    return f"{digest}-{_UNSAFE.sub('_', last)[-TAIL:]}{tail}"
 
 
 class Pin:
@@ -118,14 +131,20 @@ class CachedFile(io.BufferedReader):
 
 
 class Entry:
-    """The paths of one entry, and what reading and writing it takes."""
+    """The paths of one entry, and what reading and writing it takes: the object at ``url``, or
+    the ``span`` of its bytes (a node's part of a shard another node reads the rest of)."""
 
-    def __init__(self, folder: str, name: str) -> None:
-        self.folder = folder
-        self.base = os.path.join(folder, name)
+    def __init__(self, folder: str, url: str, span: Span | None = None) -> None:
+        self.folder, self.url, self.span = folder, url, span
+        self.base = os.path.join(folder, entry_name(url, span))
         self.data, self.meta = f"{self.base}.data", f"{self.base}.meta"
         self.lock, self.dl = f"{self.base}.lock", f"{self.base}.dl"
         self.ahead = f"{self.base}.ahead"
+        self.what = url if span is None else f"{url} (bytes {span[0]} to {'its end' if span[1] is None else span[1]})"
+
+    def described(self, size: int) -> dict:
+        """The sidecar's record of it: its URL, its span where it has one, and its size."""
+        return {"url": self.url, "size": size} | ({} if self.span is None else {"range": list(self.span)})
 
     def part(self) -> str:
         return f"{self.base}.part-{os.getpid()}"
@@ -135,11 +154,11 @@ class Entry:
         name = os.path.basename(self.base)
         return [os.path.join(self.folder, f) for f in os.listdir(self.folder) if f.startswith(f"{name}.part-")]
 
-    def verified(self, url: str) -> int | None:
+    def verified(self) -> int | None:
         """The entry's file, open, where it is complete (the size its sidecar records); touched,
         so eviction takes the least recently used first."""
         meta = read_meta(self.meta)
-        if meta is None or meta.get("url") != url:
+        if meta is None or meta.get("url") != self.url or meta.get("range") != self.described(0).get("range"):
             return None
         try:
             fd = os.open(self.data, os.O_RDONLY | os.O_CLOEXEC)

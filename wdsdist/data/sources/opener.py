@@ -62,7 +62,9 @@ def is_http(url: str) -> bool:
     return url.startswith(("http://", "https://"))
 
 
-def open_shard(url: str, access: Access, start: int = 0, end: int | None = None) -> io.IOBase:
+def open_shard(
+    url: str, access: Access, start: int = 0, end: int | None = None, span: cache.Span | None = None
+) -> io.IOBase:
     """Open a shard for sequential reading from byte ``start``; ``end`` (exclusive) is where the
     caller will stop at the latest, for sources that can ask for less (an http Range request).
     Local files seek to ``start``; sources that cannot seek read and drop the bytes before it.
@@ -77,29 +79,35 @@ def open_shard(url: str, access: Access, start: int = 0, end: int | None = None)
 
     With ``cache_dir``, an http(s), s3:// or gs:// shard is fetched whole into the node's cache
     once (cache.py) and read from there, seeking to ``start``; where the cache cannot take it,
-    it is read from the store as without one.
+    it is read from the store as without one. ``span`` (bytes [lo, hi) holding ``start`` ..
+    ``end``; hi None: to the end) makes the cache fetch and keep only those bytes, with one
+    ranged request: the part of a shard this node reads, where another node reads the rest.
     """
     if access.cache_dir is not None and cache.cacheable(url):
+        lo, hi = span if span is not None else (0, None)
         return cache.open_cached(
             url,
             access.cache_dir,
             access.cache_limit,
             start,
-            fetch=lambda: _open_uncached(url, access, 0, None),
+            fetch=lambda: _open_uncached(url, access, lo, hi),
             direct=lambda: _open_uncached(url, access, start, end),
+            span=span,
         )
     return _open_uncached(url, access, start, end)
 
 
-def fetch_ahead(url: str, access: Access, stop: threading.Event) -> cache.Pin | None:
-    """Fetch a remote shard into ``access.cache_dir`` before its worker opens it (cache.fetch_ahead).
-    One try, without ``http_retry_s``: a failure costs the worker nothing, whose own open then
-    retries, skips or stops the run as it would have, and says so once."""
+def fetch_ahead(url: str, access: Access, stop: threading.Event, span: cache.Span | None = None) -> cache.Pin | None:
+    """Fetch a remote shard (or its ``span``, as open_shard's) into ``access.cache_dir`` before its
+    worker opens it (cache.fetch_ahead). One try, without ``http_retry_s``: a failure costs the
+    worker nothing, whose own open then retries, skips or stops the run as it would have, and
+    says so once."""
     once = dataclasses.replace(access, http_retry_s=0)
     if access.cache_dir is None:
         raise cache.CacheFull(url)
+    lo, hi = span if span is not None else (0, None)
     return cache.fetch_ahead(
-        url, access.cache_dir, access.cache_limit, lambda: _open_uncached(url, once, 0, None), stop
+        url, access.cache_dir, access.cache_limit, lambda: _open_uncached(url, once, lo, hi), stop, span
     )
 
 

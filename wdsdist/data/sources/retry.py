@@ -147,9 +147,10 @@ class Resuming(io.RawIOBase):
         self._tries, self._next_pause = 0, FIRST_PAUSE
         self._stream = None
         self._stream = self._open()
-        # The first answer's headers (Content-Length, ETag, Last-Modified): what the node cache
-        # (cache.py) checks a download against and records.
+        # The first answer's headers (Content-Length, ETag, Last-Modified) and status (200 where an
+        # http server ignored Range): what the node cache (cache.py) checks a download against and records.
         self.headers = getattr(self._stream, "headers", None)
+        self.status = getattr(self._stream, "status", None)
 
     def readable(self) -> bool:
         return True

@@ -8,6 +8,11 @@ a seek for a local file (and for a remote shard in the node cache, which holds i
 http ``Range: bytes=OFF-END`` request for a URL. A compressed
 shard, or a source that cannot seek, reads and drops them. Reading ends at the first header of
 sample ``stop``: nothing after the span is read beyond a buffer.
+
+With a node cache, a span that lies in a ``part`` of the shard (loader.shard_order=node: the
+samples this node keeps of a shard another node reads the rest of) is read from the cache's
+entry of that part's bytes (``part_span``, from the index's offsets), fetched once with one
+ranged request, never from the whole shard.
 """
 
 from __future__ import annotations
@@ -15,9 +20,23 @@ from __future__ import annotations
 import tarfile
 from collections.abc import Iterator
 
+from wdsdist.data.sources.cachefiles import Span
 from wdsdist.data.sources.opener import Access, open_shard
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.data.tar.tarread import tar_samples
+
+
+def part_span(shard: Shard, part: tuple[int, int] | None) -> Span | None:
+    """The bytes [lo, hi) that hold samples ``part`` = [first, stop) of ``shard`` whole (hi None:
+    to the shard's end), from the index's offsets: from the table's last sample at or before
+    ``first`` to its first at or after ``stop``. None: the whole shard (no part, or no offsets)."""
+    table = shard.offsets
+    if part is None or table is None or not len(table):
+        return None
+    first, stop = part
+    lo = table.seek_point(first)[1] if first > 0 else 0
+    hi = table.bound(stop) if shard.nsamples is None or stop < shard.nsamples else None
+    return lo, hi
 
 
 def read_span(
@@ -30,12 +49,14 @@ def read_span(
     *,
     use_offsets: bool = True,
     late: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> Iterator[dict]:
     """Samples ``start`` .. ``stop - 1`` of ``shard`` (``stop`` None: to the shard's end), as
     ``islice(tar_samples(...), start, stop)`` gives them. ``use_offsets`` False: ignore the
-    index's byte offsets (for measuring them). ``late``: as tar_samples'. Raises what opening
-    or reading the shard raises; an error before the first sample read from an index's offset
-    says so (a stale index)."""
+    index's byte offsets (for measuring them). ``late``: as tar_samples'. ``part``: the samples
+    [first, stop) of the shard, holding these, that the node cache keeps as one entry (None:
+    the whole shard). Raises what opening or reading the shard raises; an error before the first
+    sample read from an index's offset says so (a stale index)."""
     if stop is not None and stop <= start:
         return
     table = shard.offsets if use_offsets else None
@@ -46,7 +67,8 @@ def read_span(
         if stop is not None:
             end = table.bound(stop)
     count = None if stop is None else stop - start
-    stream = open_shard(shard.url, access, start=offset, end=end)
+    span = part_span(shard, part) if use_offsets else None
+    stream = open_shard(shard.url, access, start=offset, end=end, span=span)
     try:
         samples = tar_samples(stream, shard.url, wanted, max_member, skip=start - first, count=count, late=late)
         got = 0
