@@ -93,6 +93,19 @@ FOUND = {
         ),
         [3],
     ),  # fmt: skip
+    # found by the 10,000-example run: a re-split epoch nobody had begun, re-split again, was
+    # read whole (repeat mode runs ahead: the state left epoch 1's ranges, its point stood in epoch 0)
+    "a second elastic resume before any batch": (
+        case(
+            (Data((1,), "samples", 7), Data((1,), "weight", 0.1), Data((1, 21))),
+            1,
+            ((5, 4), (1, 4), (1, 0)),
+            remainder="drop",
+            mode="repeat",
+            epoch_samples=54,
+        ),
+        [13, 0],
+    ),  # fmt: skip
 }
 
 

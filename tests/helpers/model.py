@@ -16,8 +16,9 @@ A resume on the same layout goes on as the uninterrupted run. On another layout 
 flight is re-split: its positions not delivered in any form (a padding sample delivers the
 position it repeats), in order, split as above, padded with their own first ones; later epochs
 are whole. Epochs in flight run from the first epoch a checkpointed rank stood in (or, in repeat
-mode, began its part in) to the newest one a worker delivered from; one that gives no batch
-(nothing left, or less than a batch per rank with drop) at the front is over.
+mode, began its part in) to the newest one a worker delivered from, or an earlier re-split left
+(begun or not); one that gives no batch (nothing left, or less than a batch per rank with drop)
+at the front is over.
 
 split=shards (repeat mode): rank r reads shards[r::W], its worker j those [j::w]; each epoch a
 worker reads its shards in the epoch's order, and its batches run on across epochs.
@@ -180,7 +181,7 @@ def resplit(
     opened = [e for _, epochs in ranks for e in epochs]
     first = min(stands + opened)
     out = {}
-    for epoch in range(first, max(opened, default=first) + 1):
+    for epoch in range(first, max([*opened, *earlier], default=first) + 1):
         begun = any(e >= epoch for e in opened) or any(s > epoch for s in stands)
         if not begun and epoch not in earlier:
             continue

@@ -197,7 +197,8 @@ def _resplit(
     begun = {e for p in points for epochs in p.workers.values() for e in epochs}
     lo = min([p.epoch for p in points] + sorted(begun))
     resplit: list[tuple[int, EpochSequence]] = []
-    for epoch in range(lo, max(begun, default=lo) + 1):
+    # to the newest epoch a worker began, or one an earlier re-split left and nobody began yet
+    for epoch in range(lo, max([*begun, *first.elastic], default=lo) + 1):
         started = any(e >= epoch for e in begun) or any(p.epoch > epoch for p in points)
         if not started and epoch not in first.elastic:
             continue  # begun by no worker: whole on the new layout
@@ -239,7 +240,7 @@ def _replay(first: RankState, epoch: int):  # noqa: ANN202 (a callable, as saved
 
 
 def own_order(cfg: LoaderConfig, total: int, world: int) -> NodeOrder:
-    """The node blocks this layout's shard order keeps (order.node_order)."""
+    """The nodes this layout's order keeps shares for (order.node_order)."""
     return node_order(cfg.shard_order, total, world, cfg.node_ranks, cfg.batch_size, cfg.remainder)
 
 
