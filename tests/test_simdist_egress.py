@@ -84,6 +84,8 @@ def test_a_layout_too_big_to_run_shows_per_node_and_epoch_what_each_order_fetche
         m = re.search(r"over 3 epochs: ([\d.]+) x the data set without a cache, ([\d.]+) x with it", out)
         ratios[order] = float(m.group(1)), float(m.group(2))
         assert f"shard-order   {order}, 8 ranks per node" in out
+        whose = "each node's own" if order == "node" else "the epoch's"
+        assert re.search(rf"pads \d+ \({whose} first samples again\)", out), out
     assert ratios["global"][0] == ratios["node"][0] > 3  # three epochs and the padding, either way
     assert ratios["node"][1] < 1.2 < 2.5 < ratios["global"][1]
 

@@ -41,7 +41,7 @@ class Remainder(StrEnum):
 class ShardOrder(StrEnum):
     # Hydra takes an enum by its members' names, and "global" is a keyword: the field is a str.
     global_ = "global"  # split=samples: all shards in one order, new every epoch (seed + epoch)
-    node = "node"  # split=samples: each node keeps its shards across epochs (order.node_blocks)
+    node = "node"  # split=samples: each node keeps the same samples across epochs (order.node_parts)
 
 
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
@@ -123,8 +123,9 @@ class StreamOptions:
     """split=samples: ``pad`` (the epoch's first samples again) or ``drop`` (its last ones), to
     equal batches on every rank."""
     shard_order: str = "global"
-    """split=samples: ``global`` (one shard order, new every epoch) or ``node`` (each node reads its
-    own shards every epoch, in a new order: with cache_dir a run fetches the data set about once)."""
+    """split=samples: ``global`` (one shard order, new every epoch) or ``node`` (each node reads the
+    same samples every epoch, in a new order, and pads from them: with cache_dir a run fetches the
+    data set once)."""
     nbatches: int | str | None = None
     """Epoch mode: cut every rank to N batches, or ``auto`` (the most every rank delivers)."""
     dsrepeat: int = 1

@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shard-order",
         choices=("global", "node"),
         default="global",
-        help="--split samples: one order of all shards each epoch, or each node's own shards (default: %(default)s)",
+        help="--split samples: one order of all shards each epoch, or each node's own samples (default: %(default)s)",
     )
     job.add_argument("--node-ranks", type=integer(1), default=1, help="ranks per node, which share its cache (1)")
     store = p.add_argument_group("what the store sends each node per epoch (with --shard-bytes)")

@@ -38,7 +38,7 @@ class Settings:
     seed: int = 0
     split: str = "shards"  # shards: whole shards per rank and worker; samples: equal spans of the epoch's samples
     remainder: str = "pad"  # split=samples: pad or drop
-    shard_order: str = "global"  # split=samples: global, or node (each node keeps its shards: order.py)
+    shard_order: str = "global"  # split=samples: global, or node (each node keeps its samples: order.py)
     node_ranks: int = 1  # ranks per node (that share its cache)
 
     def __post_init__(self) -> None:

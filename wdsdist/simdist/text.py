@@ -148,12 +148,14 @@ def balance_line(sim: Simulation) -> str:
     bounds = sim.settings.dsrepeat > 1 or sim.settings.repeat > 1
     if sim.plan.split == "samples":
         p, cut = sim.plan, sim.cut
+        nodes = sim.settings.size // sim.settings.node_ranks if sim.settings.shard_order == "node" else 1
+        whose = "each node's own" if nodes > 1 else "the epoch's"
         how = (
             f"split=samples, remainder={p.remainder}: "
             + (
-                f"pads {p.padded} (the epoch's first samples again)"
+                f"pads {p.padded} ({whose} first samples again)"
                 if p.remainder == "pad"
-                else f"drops {p.dropped} (the epoch's last samples)"
+                else f"drops {p.dropped} ({whose} last samples)"
             )
             + f", under {p.world} ranks x batch {p.batch_size} = {p.world * p.batch_size}"
             + (f"; the cut at {cut} leaves out more" if cut is not None and cut < p.ranks[0].available else "")
