@@ -228,6 +228,28 @@ def test_byte_range_open(store):
         s3open.open_url(url, 10.0, start=len(data) + 10, endpoint_url=store["endpoint"])
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_span_entry_of_an_object_is_one_ranged_get_of_its_bytes(store, tmp_path, scheme):
+    """loader.shard_order=node caches a node's part of a shared shard as a span entry: from an
+    object store as from http, one GET with exactly the span's Range, and later reads a hit."""
+    from wdsdist.data.sources import opener
+
+    url, local = f"{scheme}://{BUCKET}/train/train-000002.tar", store["local"]["train"] / "train-000002.tar"
+    data = local.read_bytes()
+    lo, hi = 1024, len(data) - 2048
+    access = opener.Access(
+        cache_dir=str(tmp_path / "cache"), http_retry_s=0, **{f"{scheme}_endpoint_url": store["endpoint"]}
+    )
+    del store["app"].log[:]
+    for start in (lo + 512, lo, hi - 1):
+        with opener.open_shard(url, access, start=start, span=(lo, hi)) as stream:
+            assert stream.read() == data[start:hi]
+    ranges = [r for _, method, path, r in store["app"].log if method == "GET" and path.endswith(".tar")]
+    assert ranges == [f"bytes={lo}-{hi - 1}"]
+    [entry] = (tmp_path / "cache").glob("*.data")
+    assert entry.name.endswith(f"-train-000002.tar.{lo}-{hi}.data") and entry.stat().st_size == hi - lo
+
+
 def test_http_byte_range_open_and_a_server_that_ignores_it(tmp_path):
     import http.server
 
