@@ -90,6 +90,23 @@ def test_a_layout_too_big_to_run_shows_per_node_and_epoch_what_each_order_fetche
     assert ratios["node"][1] < 1.2 < 2.5 < ratios["global"][1]
 
 
+@pytest.mark.parametrize("size, node_ranks", [(8, 2), (3, 1)])
+def test_node_order_with_a_cache_fetches_uneven_shards_about_once_over_three_epochs(capsys, size, node_ranks):
+    """23 shards of 60-140 samples: every node keeps its samples, so the cache serves epochs 1 and 2
+    and pads from what it holds; the default order fetches a new slice every epoch."""
+    args = ["--plan", "--split", "samples", "--nshards", "23", "--samples-per-shard", "100+-40", "--nepochs", "3"]
+    args += ["--size", str(size), "--node-ranks", str(node_ranks), "--shard-bytes", "2.4MB", "--cache-size", "10GB"]
+    args += ["--batch-size", "16", "--nworkers", "1"]
+    cached = {}
+    for order in ("node", "global"):
+        code, out, _ = run_main(capsys, *args, "--shard-order", order)
+        assert code == 0, out
+        cached[order] = float(re.search(r"over 3 epochs: [\d.]+ x the data set without a cache, ([\d.]+) x", out)[1])
+        rows = re.findall(r"^  \d+ .*  ([\d.]+ [kMG]?B) / ([\d.]+ [kMG]?B)$", out, re.MULTILINE)
+        assert len(rows) == size // node_ranks
+    assert cached["node"] <= 1.05 and cached["global"] > 2
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
