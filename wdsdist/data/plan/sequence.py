@@ -21,7 +21,6 @@ arithmetic on ranges and runs: nothing is O(samples) but a mix's padding (below 
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,17 +54,8 @@ def virtual_to_real(
     ``cumulative``: the ranges' lengths cumulated (ranges_cumulative), when calling often."""
     if cumulative is None:
         cumulative = ranges_cumulative(ranges)
-    total = cumulative[-1]
-    if total <= 0:
-        return
-    v = start
-    while v < stop:
-        at = v % total
-        i = bisect.bisect_right(cumulative, at) - 1
-        real = ranges[i][0] + at - cumulative[i]
-        take = min(cumulative[i + 1] - at, stop - v)
-        yield real, real + take, v
-        v += take
+    for i, first, last, v in span_pieces(cumulative, start, stop):  # a range is a shard of samples
+        yield ranges[i][0] + first, ranges[i][0] + last, v
 
 
 def merge_ranges(pieces: Iterable[tuple[int, int]]) -> Ranges:
