@@ -145,25 +145,33 @@ def layout(args: argparse.Namespace) -> simdist.Layout:
     return simdist.synthetic_layout(described, args.cache, name)
 
 
+def settings_of(args: argparse.Namespace, **more: object) -> simdist.Settings:
+    """The settings every simulation takes from the command line, and ``more``."""
+    return simdist.Settings(
+        size=args.size,
+        nworkers=args.nworkers,
+        batch_size=args.batch_size,
+        nepochs=args.nepochs,
+        cross_shuffle=args.cross_shuffle,
+        seed=args.seed,
+        remainder=args.remainder,
+        **more,
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mix:
         return mix_main(args)
     if args.epoch_samples is not None or args.mix_batches != "sample":
         raise UserError("--epoch-samples and --mix-batches describe several data sets: give --mix too")
-    settings = simdist.Settings(
-        size=args.size,
-        nworkers=args.nworkers,
-        batch_size=args.batch_size,
+    settings = settings_of(
+        args,
         partial=args.partial,
         nbatches=args.nbatches,
         dsrepeat=args.dsrepeat,
         repeat=args.repeat,
-        nepochs=args.nepochs,
-        cross_shuffle=args.cross_shuffle,
-        seed=args.seed,
         split=args.split or "shards",
-        remainder=args.remainder,
         shard_order=args.shard_order,
         node_ranks=args.node_ranks,
     )
@@ -229,16 +237,7 @@ def mix_main(args: argparse.Namespace) -> int:
         mix_config(
             LoaderConfig(batch_size=args.batch_size, split=args.split or "samples", shard_order=args.shard_order)
         )
-    settings = simdist.Settings(
-        size=args.size,
-        nworkers=args.nworkers,
-        batch_size=args.batch_size,
-        nepochs=args.nepochs,
-        cross_shuffle=args.cross_shuffle,
-        seed=args.seed,
-        split="samples",
-        remainder=args.remainder,
-    )
+    settings = settings_of(args, split="samples")
     layouts = simdist.mix_layouts(args.mix, plan=args.plan, cache=args.cache, access=access(args))
     mix = simdist.mix_of(args.mix, layouts, args.epoch_samples)
     epochs = [simdist.plan_mix_epoch(mix, settings, epoch) for epoch in range(settings.nepochs)]
