@@ -622,6 +622,9 @@ def main() -> int:
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
     names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
     extra: dict = {}
+    if "ffcv" in names and (wanted := peervenv.missing_packages("ffcv")):
+        others = " ".join(n for n in names if n != "ffcv")
+        raise SystemExit(f"error: {peervenv.needs_line('ffcv', wanted)}; or leave FFCV out: --only {others}")
     if "photos" in datasets or any(name in PEERS for name in names):
         extra["bench_venv"] = peervenv.ensure()
     infos = {ds: prepare(data_folder(args, ds), args.images, ds) for ds in datasets}

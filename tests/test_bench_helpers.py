@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 
 import numpy as np
-from conftest import ROOT
+from conftest import ROOT, one_error_line, run_script
 from PIL import Image
 
 
@@ -84,3 +85,54 @@ def test_peer_requirements_build_ffcv_apart():
     assert all("==" in r and not r.startswith("#") for r in wheels)  # all pinned, comments dropped
     # The torch trap: never 2.13 (its local CPU wheel shadows PyPI's, torchvision breaks on it).
     assert not [r for r in wheels if r.startswith("torch==2.13")]
+
+
+def fake_pkg_config(folder, present: tuple[str, ...]):
+    """A pkg-config that knows only the modules ``present``."""
+    folder.mkdir(exist_ok=True)
+    tool = folder / "pkg-config"
+    tool.write_text(f'#!/bin/sh\nfor m in {" ".join(present) or "none"}; do [ "$2" = "$m" ] && exit 0; done\nexit 1\n')
+    tool.chmod(0o755)
+    return folder
+
+
+def test_ffcv_is_left_out_with_the_debian_packages_it_lacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(fake_pkg_config(tmp_path / "one", ("opencv4",))))
+    assert peervenv.missing_packages("ffcv") == ["libturbojpeg0-dev"]
+    assert peervenv.missing_packages("litdata") == []  # a wheel
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert peervenv.missing_packages("ffcv") == ["pkg-config", "libopencv-dev", "libturbojpeg0-dev"]
+    monkeypatch.setattr(peervenv, "VENV", tmp_path / "venv")
+    not_built, wanting = peervenv.build_from_source(["ffcv==1.0.2"])  # no pip is run: nothing to build with
+    assert wanting == {"ffcv": ["pkg-config", "libopencv-dev", "libturbojpeg0-dev"]}
+    assert not_built["ffcv"].endswith("apt-get install -y pkg-config libopencv-dev libturbojpeg0-dev (as root)")
+
+
+def test_a_peer_left_out_for_packages_is_built_once_they_are_installed(tmp_path, monkeypatch):
+    """The stamp keeps why a peer is missing; a later run builds it once its packages are there,
+    and never retries a pip failure that had them (an older stamp, without the reason: any)."""
+    monkeypatch.setattr(peervenv, "VENV", tmp_path)
+    built = []
+    monkeypatch.setattr(peervenv, "build_from_source", lambda reqs: (built.extend(reqs), ({}, {}))[1])
+    wants = {"not_built": {"ffcv": "ffcv builds from source against ..."}, "wanting": {"ffcv": ["libturbojpeg0-dev"]}}
+    monkeypatch.setenv("PATH", str(fake_pkg_config(tmp_path / "bin", ("opencv4",))))
+    assert peervenv._retry(json.loads(json.dumps(wants)))["not_built"] == {"ffcv": wants["not_built"]["ffcv"]}
+    assert built == []  # still missing: not tried
+    monkeypatch.setenv("PATH", str(fake_pkg_config(tmp_path / "bin", ("opencv4", "libturbojpeg"))))
+    info = peervenv._retry(json.loads(json.dumps(wants)))
+    assert built == ["ffcv==1.0.2"] and info["not_built"] == {} and info["wanting"] == {}
+    assert json.loads((tmp_path / peervenv.STAMP).read_text())["not_built"] == {}
+    built.clear()
+    assert peervenv._retry({"not_built": {"ffcv": "pip: error"}, "wanting": {}})["not_built"] == {"ffcv": "pip: error"}
+    assert built == []
+    peervenv._retry({"not_built": {"ffcv": "error: opencv4 not found"}})  # written before the reason was kept
+    assert built == ["ffcv==1.0.2"]
+
+
+def test_the_peers_bench_stops_in_one_line_naming_what_ffcv_lacks(tmp_path):
+    proc = run_script("bench/bench.py", "--peers", env={"PATH": str(fake_pkg_config(tmp_path, ()))})
+    assert proc.returncode != 0
+    line = one_error_line(proc)
+    assert "apt-get install -y libopencv-dev libturbojpeg0-dev" in line
+    others = line.split("or leave FFCV out: --only ")[1].split()
+    assert "ffcv" not in others and {"ours", "litdata", "streaming", "wids"} <= set(others)
