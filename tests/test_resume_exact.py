@@ -146,7 +146,7 @@ def test_the_state_has_a_version_and_an_older_ones_state_still_resumes_exactly(i
     first = Loader(index, c, rank=0, world=1)
     take(first, 7)
     state = first.state_dict()
-    assert (state["format"], state["version"]) == ("wdsdist-loader", 2) and state["ranks"][0]["turn"] == 1
+    assert (state["format"], state["version"]) == ("wdsdist-loader", 3) and state["ranks"][0]["turn"] == 1
     # what version 1 wrote: no version, no turn, no mode/dsrepeat/cross_shuffle/shards
     v1 = {"format": "wdsdist-loader-v1", "steps": 7, "before_resume": 0, "ranks": [dict(state["ranks"][0])]}
     for key in ("version", "turn", "mode", "dsrepeat", "cross_shuffle", "shards"):
@@ -159,7 +159,7 @@ def test_the_state_has_a_version_and_an_older_ones_state_still_resumes_exactly(i
 @pytest.mark.parametrize(
     ("state", "line"),
     [
-        ({"format": "wdsdist-loader", "version": 3, "ranks": [{}]}, "has loader state version 3; this version"),
+        ({"format": "wdsdist-loader", "version": 4, "ranks": [{}]}, "has loader state version 4; this version"),
         ({"format": "something", "ranks": [{}]}, "is not a wdsdist loader state (format 'something')"),
         ({"format": "wdsdist-loader", "version": 2, "ranks": [{"rank": 0}]}, "is not a readable wdsdist loader state"),
         ([{"rank": 0, "world": 1, "workers": 2, "point": {"epoch": "x"}}], "is not a readable wdsdist loader state"),

@@ -29,7 +29,7 @@ from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.order import GLOBAL, epoch_order, node_order, node_parts, node_shares, order_nodes, shard_order
 from wdsdist.data.plan.sequence import EpochSequence, EpochShards
 from wdsdist.data.plan.splits import rank_batches
-from wdsdist.data.plan.state import LoaderState
+from wdsdist.data.plan.state import LoaderState, gathered
 from wdsdist.data.sources.index import local_sample_offsets, write_index
 from wdsdist.data.sources.shardspec import SampleOffsets, Shard
 from wdsdist.data.sources.spanread import part_span
@@ -420,14 +420,17 @@ def test_a_resume_on_another_node_count_delivers_the_interrupted_epoch_once(
     assert got == epoch_keys(COUNTS, new_order, 3, 1, world, bs)
 
 
-def test_a_state_of_the_earlier_node_cut_in_the_middle_of_an_epoch_is_refused_in_one_line(tiny_shards):
-    """Version 1 of the loader state cut the nodes at whole shards, so its positions in the middle
-    of a node-ordered epoch name other samples now: refused, naming the way on; at an epoch's end
-    nothing is in flight and it resumes."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_state_of_the_earlier_node_cut_in_the_middle_of_an_epoch_is_refused_in_one_line(tiny_shards, version):
+    """Versions 1 and 2 of the loader state cut the nodes at whole shards, so their positions in
+    the middle of a node-ordered epoch name other samples now: refused, naming the way on; at an
+    epoch's end nothing is in flight and it resumes."""
     spec = str(tiny_shards(COUNTS))
     _, states = run_layout(spec, 2, 0, 1, None, 2)  # every rank's entry, two batches into epoch 0
     with pytest.raises(UserError, match=r"^the loader state was saved in the middle of epoch 0 with "):
-        LoaderState.from_dict([dict(s, version=1) for s in states])
+        LoaderState.from_dict([dict(s, version=version) for s in states])
+    with pytest.raises(UserError, match=r"^the loader state was saved in the middle of epoch 0 with "):
+        LoaderState.from_dict(gathered([dict(s, version=version) for s in states], 2, 0) | {"version": version})
     assert LoaderState.from_dict(states).first.point.epoch == 0  # today's version reads it
     _, ended = run_layout(spec, 2, 0, 1, None)
-    assert LoaderState.from_dict([dict(s, version=1) for s in ended]).first.point.epoch == 1
+    assert LoaderState.from_dict([dict(s, version=version) for s in ended]).first.point.epoch == 1

@@ -10,7 +10,7 @@ with is restore.py's business: this module only reads and writes it.
 A state, as ``to_dict`` writes it::
 
     format          "wdsdist-loader"
-    version         2 (this module reads 1 and 2)
+    version         3 (this module reads 1 to 3)
     steps           batches the run had taken in all (the trainer's step)
     before_resume   batches of the epoch under way delivered before an elastic resume (len() counts them)
     ranks           one entry per rank, in rank order (None for a rank that was not gathered)
@@ -29,8 +29,8 @@ Each rank's entry (``RankState``):
     shards, samples, counts the data: shard count, sample total, a digest of the per-shard counts
     order, orders           split=samples: the nodes this layout's order keeps blocks for, and
                             those of the epochs in flight read in another layout's order
-                            (loader.shard_order=node; version 1 cut the nodes otherwise: its
-                            states in the middle of a node-ordered epoch are refused)
+                            (loader.shard_order=node; versions 1 and 2 cut the nodes otherwise:
+                            their states in the middle of a node-ordered epoch are refused)
     elastic                 epochs re-split on an earlier resume: their remaining positions as
                             [a, b) ranges (rank 0 holds them; the other ranks say "as rank 0")
     mix, sources, mix_spec  several data sets: the mix's digest, its sources (name, setting,
@@ -50,7 +50,9 @@ from wdsdist.data.plan.sequence import Ranges
 from wdsdist.errors import UserError
 
 FORMAT = "wdsdist-loader"
-VERSION = 2
+VERSION = 3
+READS = (1, 2, 3)  # the versions from_dict reads
+NODE_SAMPLES = 3  # the first version whose node order keeps each node's samples (order.node_parts)
 OLD_FORMATS = {"wdsdist-loader-v1": 1}  # the outer format string of each older version
 SHARED = "as rank 0"  # a rank's elastic ranges, saved once in rank 0's entry
 
@@ -125,10 +127,10 @@ class RankState:
 
     @classmethod
     def from_dict(cls, d: dict, elastic: dict[int, Ranges] | None = None) -> RankState:
-        """A rank's entry, of version 1 or 2; ``elastic``: rank 0's ranges, for an entry that
+        """A rank's entry, of a version in READS; ``elastic``: rank 0's ranges, for an entry that
         says "as rank 0". Raises KeyError, TypeError or ValueError on a malformed entry."""
         version = d.get("version", 1)
-        if version not in (1, VERSION):
+        if version not in READS:
             raise ValueError(f"rank {d.get('rank')}'s entry has version {version!r}")
         options = {k: d.get(k) for k in ("mode", "split", "remainder", "counts")}
         numbers = ("turn", "batch_size", "shuffle_buffer", "seed", "stream_seed", "dsrepeat", "cross_shuffle")
@@ -203,7 +205,7 @@ class LoaderState:
             version = OLD_FORMATS[fmt]
         elif fmt != FORMAT:
             raise UserError(f"{where} is not a wdsdist loader state (format {fmt!r})")
-        if version is not None and version not in (1, VERSION):
+        if version is not None and version not in READS:
             raise UserError(
                 f"{where} has loader state version {version!r}; this version of wds-distributed reads 1 to {VERSION}"
             )
@@ -221,7 +223,9 @@ class LoaderState:
         if all(r is None for r in ranks):
             raise UserError(f"{where} holds no rank's position")
         saved = cls(ranks, steps, before)
-        old = version == 1 or version is None and all((d or {}).get("version", 1) == 1 for d in entries)
+        if version is None:  # a list of entries: the oldest of them
+            version = min((d or {}).get("version", 1) for d in entries)
+        old = version < NODE_SAMPLES
         if old and saved.in_flight and any(o[0] > 1 for r in ranks if r for o in (r.order, *r.orders.values())):
             raise UserError(
                 f"{where} was saved in the middle of epoch {saved.first.point.epoch} with loader.shard_order=node by "
