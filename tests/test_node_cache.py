@@ -412,6 +412,27 @@ def _read_spans(url: str, folder: Path, data: bytes, sent: dict | None) -> None:
         read_all(url, folder, start=5, span=span)
 
 
+@pytest.mark.parametrize("ranged", [True, False], ids=["store-honours-range", "store-ignores-range"])
+def test_a_span_past_the_objects_end_reserves_only_what_the_store_sends(tmp_path, store, ranged):
+    """An index's offsets are the data's word: a span whose end lies far past the object (a stale
+    or hostile index) is held to what the store answers, so it neither evicts entries for room
+    it never fills nor fails a read that the store serves."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    data, kept = os.urandom(50_000), os.urandom(30_000)
+    (folder / "part.tar").write_bytes(data)
+    (folder / "kept.tar").write_bytes(kept)
+    servers = Servers()
+    with servers:
+        base = servers.start(counting_store(folder)[0]) if ranged else store(folder)[0]
+        cache_dir, limit = tmp_path / "cache", 1_000_000 + 40_000
+        assert read_all(f"{base}/kept.tar", cache_dir, limit) == kept
+        span = (10_000, 10_000 + 1_000_000)
+        assert read_all(f"{base}/part.tar", cache_dir, limit, start=10_000, span=span) == data[10_000:]
+        assert read_all(f"{base}/part.tar", cache_dir, limit, start=20_000, span=span) == data[20_000:]
+    assert sorted(p.stat().st_size for p in cache_dir.glob("*.data")) == [30_000, 40_000]
+
+
 def test_a_part_left_by_a_dead_process_is_cleared_when_the_next_process_starts(tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir()

@@ -126,16 +126,18 @@ def fetch_ahead(
 
 
 def _expected(stream: Any, headers: Any, span: Span | None) -> int | None:
-    """The bytes a download of the object (or its ``span``) brings, where the store said: the
-    span's length where it ends inside the object; a server that ignored Range (200) announced
-    the whole object, of which the stream holds what follows the span's start."""
+    """The bytes a download of the object (or its ``span``) brings, where the store said (None
+    where it did not). For a span, the store's answer to the Range, never more than the span: an
+    index's offsets are the data's word, and an end past the object's must not reserve (evict)
+    room the object does not fill. A server that ignored Range (200) announced the whole object,
+    of which the stream holds the span's part."""
     size = cachefiles.content_length(headers)
-    if span is None:
+    if span is None or size is None:
         return size
     lo, hi = span
-    if hi is not None:
-        return hi - lo
-    return size - lo if size is not None and getattr(stream, "status", None) == 200 else size
+    if getattr(stream, "status", None) == 200:
+        return max(0, (size if hi is None else min(hi, size)) - lo)
+    return size if hi is None else min(size, hi - lo)
 
 
 class _LocalError(Exception):
