@@ -165,6 +165,22 @@ def test_plot_writes_png(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_picture_draws_whole_shards_or_the_part_a_span_reads():
+    """The classic demo (10 x 100 samples, 3 ranks x 3 workers, batch 10): a row is a worker's
+    shards, or under split=samples exactly its span, the padding wrapping to shard 0."""
+    from wdsdist.simdist.plot import worker_boxes
+
+    cumulative = list(range(0, 1001, 100))
+    shards = sim_of([100] * 10, nworkers=3)
+    assert worker_boxes(shards, 0, 0, cumulative) == [(0, 100), (9, 100)]  # shards 0::3 of rank 0's 0, 3, 6, 9
+    samples = sim_of([100] * 10, nworkers=3, split="samples")
+    assert worker_boxes(samples, 0, 0, cumulative) == [(0, 100), (1, 20)]
+    assert worker_boxes(samples, 2, 2, cumulative) == [(9, 90), (0, 20)]
+    for rank in samples.plan.ranks:
+        for w in rank.workers:
+            assert sum(n for _, n in worker_boxes(samples, rank.rank, w.worker, cumulative)) == w.samples
+
+
 def test_synthetic_layout_is_written_once(tmp_path):
     described = simdist.described_layout(3, "4+-2", seed=5)
     first = simdist.synthetic_layout(described, str(tmp_path), "small")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from wdsdist.data.plan.splits import Plan
+from wdsdist.data.plan.splits import Plan, span_pieces
 from wdsdist.simdist.simulate import RankEpoch, Simulation
 from wdsdist.simdist.text import describe_counts, verdict
 
@@ -76,21 +77,33 @@ def _widest_worker(plan: Plan) -> int:
     return max((w.samples for rank in plan.ranks for w in rank.workers), default=1) or 1
 
 
+def worker_boxes(sim: Simulation, rank: int, worker: int, cumulative: Sequence[int]) -> list[tuple[int, int]]:
+    """(shard, samples) a worker's row draws: its whole shards, or under split=samples the part
+    of each shard slot its span reads (a span past the epoch's end wraps to its first samples,
+    the padding). ``cumulative``: the shards' counts cumulated from 0."""
+    row = sim.plan.ranks[rank].workers[worker]
+    if row.span is None:
+        return [(shard, sim.layout.counts[shard]) for shard in row.shards]
+    return [(slot, stop - first) for slot, first, stop, _ in span_pieces(cumulative, *row.span)]
+
+
 def _draw_shards(ax: Any, sim: Simulation, rows: _Rows, cmap: Any) -> None:
-    """Each worker's shards as boxes, one pass after another when dsrepeat > 1."""
+    """Each worker's shards as boxes, one pass after another when dsrepeat > 1; under
+    split=samples, the part of each shard slot its span reads."""
     plan, dsrepeat = sim.plan, sim.settings.dsrepeat
     xmax = _widest_worker(plan)
     nboxes = sum(len(plan.ranks[rank].workers[worker].shards) * dsrepeat for rank, worker, _ in rows.rows)
+    cumulative = list(itertools.accumulate(sim.layout.counts, initial=0))
     for rank, worker_index, y in rows.rows:
         worker = plan.ranks[rank].workers[worker_index]
         if not worker.shards:
             ax.text(0, y, " no shard: the loader refuses this rank", va="center", color="crimson", fontsize=8)
             continue
+        pieces = worker_boxes(sim, rank, worker_index, cumulative)
         x = 0
         for repetition in range(dsrepeat):
             spans = []
-            for shard in worker.shards:
-                width = sim.layout.counts[shard]
+            for shard, width in pieces:
                 spans.append((x, width))
                 if nboxes <= 300 and width / xmax > 0.035:
                     ax.text(x + width / 2, y, str(shard), ha="center", va="center", fontsize=8)
@@ -98,7 +111,7 @@ def _draw_shards(ax: Any, sim: Simulation, rows: _Rows, cmap: Any) -> None:
             ax.broken_barh(
                 spans,
                 (y - 0.4, 0.8),
-                facecolors=[cmap(i % 20) for i in worker.shards],
+                facecolors=[cmap(i % 20) for i, _ in pieces],
                 edgecolors="white",
                 linewidth=0.6,
                 alpha=1.0 if repetition == 0 else 0.45,
@@ -115,11 +128,12 @@ def _label_shards(ax: Any, sim: Simulation, rows: _Rows) -> None:
     ax.set_ylim(rows.bottom - 0.7 + 0.5, -0.6)  # top to bottom: rank 0 first
     hatched = "; hatched: dsrepeat passes" if sim.settings.dsrepeat > 1 else ""
     more_workers = f"; first {rows.nworkers} of {nworkers} workers" if rows.nworkers < nworkers else ""
-    ax.set_xlabel(f"samples per worker per loader pass (boxes: shards by index{hatched}{more_workers})")
+    boxes = "the part of each shard slot a span reads" if sim.plan.split == "samples" else "shards by index"
+    ax.set_xlabel(f"samples per worker per loader pass (boxes: {boxes}{hatched}{more_workers})")
     labels = [f"rank {rank}  w{worker}" if worker == 0 else f"w{worker}" for rank, worker, _ in rows.rows]
     ax.set_yticks([y for _, _, y in rows.rows], labels, fontsize=8)
     if sim.plan.split == "samples":
-        title = "each worker's span of the epoch's samples, contiguous and of whole batches (boxes: shard slots)"
+        title = "each worker's span of the epoch's samples, contiguous and of whole batches"
     else:
         title = "shards per worker: rank r gets shards r::size, its worker w those w::nworkers"
     ax.set_title(title, fontsize=10)
