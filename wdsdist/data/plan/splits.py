@@ -12,7 +12,8 @@ How a rank's batches come about (the loader's order of operations):
 
 The sample-level split (``plan_samples``, loader.split=samples): each epoch the shards, in a
 seeded order new every epoch, are one sequence of N samples; it is padded (the sequence's first
-samples again) or cut to k x world x batch_size samples, rank r holds positions
+samples again; with loader.shard_order=node each node's own first, sequence.py) or cut to
+k x world x batch_size samples, rank r holds positions
 r*k*B .. (r+1)*k*B - 1 and its workers whole batches of that, contiguous. Every rank delivers k
 batches; the padding (or drop) is below world x batch_size and does not depend on the workers.
 """
@@ -87,8 +88,8 @@ class Plan:
     total_samples: int  # samples in the data set (one pass, no dsrepeat)
     split: str = "shards"  # "shards": whole shards per rank and worker; "samples": spans of the epoch's sequence
     remainder: str | None = None  # split=samples: "pad" or "drop"
-    padded: int = 0  # split=samples, pad: samples per epoch delivered a second time (the sequence's first ones)
-    dropped: int = 0  # split=samples, drop: samples per epoch not delivered (the sequence's last ones)
+    padded: int = 0  # split=samples, pad: samples per epoch delivered again (the sequence's or each node's first)
+    dropped: int = 0  # split=samples, drop: samples per epoch not delivered (the sequence's or each node's last)
 
     @property
     def batches(self) -> list[int]:
