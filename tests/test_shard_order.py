@@ -231,6 +231,16 @@ def _node(jobs, rank, world, out) -> None:
         out.put((rank, repr(exc)))
 
 
+def run_all(processes: list, out) -> dict:
+    """Start ``processes``, each of which puts (its rank, its result) on ``out``: the results."""
+    for process in processes:
+        process.start()
+    results = dict(out.get(timeout=WAIT) for _ in processes)
+    for process in processes:
+        process.join(WAIT)
+    return results
+
+
 def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tmp_path, stores):
     """2 nodes (1 rank each), 20 shards of 12 samples, 3 epochs: with the node order each node's
     cache takes its own 10 shards once; with the global order each epoch hands a node a new
@@ -255,11 +265,7 @@ def test_with_a_cache_per_node_the_node_order_fetches_the_data_set_about_once(tm
         )
         for rank in range(2)
     ]
-    for node in nodes:
-        node.start()
-    results = dict(out.get(timeout=WAIT) for _ in nodes)
-    for node in nodes:
-        node.join(WAIT)
+    results = run_all(nodes, out)
     assert all(isinstance(r, list) for r in results.values()), results
     sent = {}
     for job, (order, (_, counted)) in enumerate(runs.items()):
@@ -311,11 +317,7 @@ def run_nodes(bases, sent, node_ranks, bs, caches):
         node = r // node_ranks
         args = (f"{bases[node]}/u.index.json", r, world, node_ranks, bs, str(caches[node]), out)
         ranks.append(FORK.Process(target=_rank, args=args))
-    for rank in ranks:
-        rank.start()
-    results = dict(out.get(timeout=WAIT) for _ in ranks)
-    for rank in ranks:
-        rank.join(WAIT)
+    results = run_all(ranks, out)
     assert all(isinstance(r, tuple) for r in results.values()), results
     after = [sum(n for path, n in counted.items() if path.endswith(".tar")) for counted in sent]
     return results, [b - a for a, b in zip(before, after, strict=True)]
