@@ -94,7 +94,18 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
     resize = run.feed.loader.resize
     if resize is not None:  # an elastic resume: what became of the interrupted epoch
         report.line(f"{resize.line()}; {run.steps} steps in all now (the learning rate schedule follows them)")
-    plan = run.feed.loader.plan
+    report_plan(run)
+    if run.steps > run.start:
+        report.line(
+            f"startup {fmt_time(time.perf_counter() - run.started)}; training from step {run.start} to {run.steps} "
+            f"(the first batch comes once the loader's workers have started)"
+        )
+
+
+def report_plan(run: Run) -> None:
+    """The loader's plan in the log, and under split=samples each epoch's padding (or drop) in
+    TensorBoard, an elastic resume's re-split epoch with its own first."""
+    report, plan, resize = run.report, run.feed.loader.plan, run.feed.loader.resize
     if plan is not None and plan.split == "samples":
         report.line(plan_line(plan), console=False)
         # The padding (or drop) is the same every epoch; one point per epoch, so it sits beside the curves.
@@ -118,11 +129,6 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
             f"workers; batches per rank per pass {plan.min_available}..{plan.max_available}"
             + (f", cut to {plan.nbatches}" if plan.nbatches is not None else ""),
             console=False,
-        )
-    if run.steps > run.start:
-        report.line(
-            f"startup {fmt_time(time.perf_counter() - run.started)}; training from step {run.start} to {run.steps} "
-            f"(the first batch comes once the loader's workers have started)"
         )
 
 
