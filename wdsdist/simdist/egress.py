@@ -65,7 +65,32 @@ def node_reads(
     return out
 
 
-# One function: the touches of an epoch and the cache they pass through read as one loop.
+class _Cache:
+    """A node's cache as loader.cache_dir keeps it: entries of ``limit`` bytes at most, the least
+    recently used evicted first; one larger than the limit is read from the store each time."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self.entries = limit, 0, OrderedDict[Unit, int]()
+
+    def fetch(self, touched: Sequence[Unit], size_of: Callable[[Unit], int]) -> int:
+        """The bytes the store sends for ``touched`` (each entry once: two ranks' read is one
+        download), what the cache holds being hits."""
+        fetched = 0
+        for unit in dict.fromkeys(touched):
+            if unit in self.entries:
+                self.entries.move_to_end(unit)
+                continue
+            size = size_of(unit)
+            fetched += size
+            if size > self.limit:
+                continue  # over the limit: read from the store, never kept
+            self.entries[unit] = size
+            self.held += size
+            while self.held > self.limit:
+                self.held -= self.entries.popitem(last=False)[1]
+        return fetched
+
+
 def node_egress(
     counts: Sequence[int],
     shard_bytes: Sequence[int],
@@ -89,11 +114,14 @@ def node_egress(
     if node_ranks < 1 or world % node_ranks:
         raise UserError(f"--size {world} is not whole nodes of --node-ranks {node_ranks}: give a multiple of it")
     nodes = world // node_ranks
-    caches: list[OrderedDict[Unit, int]] = [OrderedDict() for _ in range(nodes)]
-    held = [0] * nodes
+    caches = [_Cache(cache_bytes or 0) for _ in range(nodes)]
 
     def share(shard: int, first: int, stop: int) -> int:
         return shard_bytes[shard] * (stop - first) // max(counts[shard], 1)
+
+    def bytes_of(unit: Unit) -> int:
+        whole = unit[1:] == (0, counts[unit[0]])
+        return shard_bytes[unit[0]] if whole else (part_bytes or share)(*unit)
 
     direct, cached = [], []
     for epoch in range(nepochs):
@@ -113,22 +141,8 @@ def node_egress(
                 shards = sorted(s for r in ranks for s in split_by_rank(range(len(counts)), r, world))
                 direct[epoch][node] = dsrepeat * sum(shard_bytes[s] for s in shards)
                 touched = [(s, 0, counts[s]) for s in shards]
-            if cache_bytes is None:
-                continue
-            cache = caches[node]
-            for unit in dict.fromkeys(touched):  # a shard two ranks read is one download
-                whole = unit[1:] == (0, counts[unit[0]])
-                size = shard_bytes[unit[0]] if whole else (part_bytes or share)(*unit)
-                if unit in cache:
-                    cache.move_to_end(unit)
-                    continue
-                cached[epoch][node] += size
-                if size > cache_bytes:
-                    continue  # over the limit: read from the store, never kept
-                cache[unit] = size
-                held[node] += size
-                while held[node] > cache_bytes:
-                    held[node] -= cache.popitem(last=False)[1]
+            if cache_bytes is not None:
+                cached[epoch][node] = caches[node].fetch(touched, bytes_of)
     return Egress(
         node_ranks=node_ranks,
         shard_order=shard_order,
