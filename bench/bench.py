@@ -26,6 +26,10 @@ its own format once (cached under the data set's folder, peers/NAME/). Work: Ran
 # Above the size guide on purpose: one script a user runs and reads, every contender's row side by side
 # with the same timing and memory code.
 
+# A long script: every contender runs as a subprocess of this same file (--run, --convert), so
+# the data, the contenders and the table stay one command; the peers' environment is peervenv.py,
+# their code peers.py, the photographs photos.py, the charts charts.py.
+
 from __future__ import annotations
 
 import argparse

@@ -45,6 +45,7 @@ def size(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    # One declaration: its groups are --help's sections in order; split, the options would scatter.
     p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("the data (default: 10 synthetic shards of 100 samples, written once to --cache)")
     data.add_argument("--shards", metavar="SPEC", help="brace pattern, glob, URLs (joined by ::) or an index JSON")

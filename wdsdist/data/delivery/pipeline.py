@@ -39,6 +39,9 @@ against (b) in that report; the later comparison with other loaders:
 bench/results/2026-11-24-peers.md).
 """
 
+# A long module: the diagram above, from a spec to a rank's batches, with the startup checks that
+# refuse a layout before it hangs; a worker's own stream is stream.py, resuming plan/restore.py.
+
 from __future__ import annotations
 
 import functools

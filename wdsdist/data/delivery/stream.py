@@ -13,6 +13,9 @@ After a resume each worker plays the part of the worker whose turn it was (``tur
 DataLoader asks its worker 0 first, and the uninterrupted run would have asked that one.
 """
 
+# A long module: ShardStream is one worker's whole stream; its reading, shuffling and batching
+# share the worker's position (consumed, skipped, padded), which the state reads back.
+
 from __future__ import annotations
 
 import functools

@@ -18,6 +18,9 @@ r*k*B .. (r+1)*k*B - 1 and its workers whole batches of that, contiguous. Every 
 batches; the padding (or drop) is below world x batch_size and does not depend on the workers.
 """
 
+# A long module: the shard split and the sample split share their batch arithmetic, and the
+# loader, the trainer's startup check and simdist call both from here.
+
 from __future__ import annotations
 
 import bisect
