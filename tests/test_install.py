@@ -1,6 +1,6 @@
 """``pip install .``: a clone of this repository (committed files only) installed into a fresh venv
-gives an importable ``wdsdist`` that runs from its site-packages, ships jpegcrop.c, builds it in
-the user's cache folder, and depends on no test tool unless asked for the ``test`` extra.
+gives an importable ``wdsdist`` that runs from its site-packages, ships jpegcrop.c and the library
+pip built from it (setup.py), and depends on no test tool unless asked for the ``test`` extra.
 
 No downloads: the fresh venv sees the project environment's packages through a ``.pth`` file
 (torch, pip, setuptools), and the clone is installed with ``--no-deps --no-build-isolation``.
@@ -94,14 +94,16 @@ def test_the_installed_package_imports_from_site_packages(installed):
     assert probe["version"] == "0.1.0"
 
 
-def test_jpegcrop_source_ships_and_builds_into_the_user_cache(installed):
+def test_jpegcrop_is_built_at_install_time_and_its_source_ships(installed):
     probe, purelib, cache = installed
     source = Path(probe["source"])
     assert probe["source_is_file"] and source == purelib / "wdsdist" / "data" / "decode" / "jpegcrop.c"
-    assert probe["build_dir"] == str(cache / "wdsdist")  # not beside site-packages
+    assert probe["build_dir"] == str(cache / "wdsdist")  # where a first use would build it: not site-packages
     if not probe["lib"].endswith(".so"):
         pytest.skip(f"jpegcrop: {probe['lib']}")  # no C compiler or libjpeg headers here
-    assert Path(probe["lib"]).parent == cache / "wdsdist"
+    # pip install built it (setup.py) beside its source, so the first use built nothing
+    assert Path(probe["lib"]).parent == source.parent and Path(probe["lib"]).name.startswith("_jpegcrop")
+    assert not (cache / "wdsdist").exists()
 
 
 def requirement_names(requires: list[str], extra: str | None = None) -> set[str]:

@@ -11,45 +11,26 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from tests.conftest import ROOT, write_tiny_shards
+from tests.helpers.jpegs import LIB, encode, first_batches, needs_lib, whole
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError, crop_decoder, region
 from wdsdist.data.decode.sample import decode_sample, make_transform
-from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
 from wdsdist.errors import DataError
-from wdsdist.tools import synthetic
 
-LIB = jpegcrop.load()
 # Only a machine without a C compiler or libjpeg's headers and library may skip these; any other
 # build failure is a failure (test_it_builds_wherever_a_compiler_and_libjpeg_are).
 MISSING = isinstance(LIB, str) and any(s in LIB for s in ("no C compiler", "jpeglib.h", "-ljpeg"))
-needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"jpegcrop: {LIB}")
 
 
 def test_it_builds_wherever_a_compiler_and_libjpeg_are():
     assert not isinstance(LIB, str) or MISSING, LIB
-
-
-def encode(width: int, height: int, seed: int = 0, mode: str = "RGB", **save) -> bytes:
-    """A JPEG with detail everywhere (noise on a drawn image), so every region is different."""
-    img = synthetic.draw(seed, size=max(width, height))[0].resize((width, height))
-    noise = np.random.default_rng(seed).integers(0, 40, (height, width, 3), dtype=np.uint8)
-    img = Image.fromarray(np.asarray(img) // 2 + noise).convert(mode)
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=90, **save)
-    return buf.getvalue()
-
-
-def whole(data: bytes) -> torch.Tensor:
-    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
 ENCODINGS = {
@@ -219,19 +200,11 @@ def test_a_jpeg_bomb_is_refused_from_its_header():
         decode_sample(sample, cfg, transform, decoder)
 
 
-def _batches(index, n, **kw):
-    cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, crop_scale=(0.08, 1.0), **kw)
-    loader = make_loader(str(index), 0, 1, cfg)
-    torch.manual_seed(0)  # the workers' seeds come from it
-    it = iter(loader)
-    return [next(it) for _ in range(n)]
-
-
 @needs_lib
 def test_loader_batches_are_the_same_with_and_without_region_decoding(tmp_path):
     index = write_tiny_shards(tmp_path / "s", [40, 40, 40, 40], size=72)
-    a = _batches(index, 12, decode_region=True, decode_downscale=False)
-    b = _batches(index, 12, decode_region=False)
+    a = first_batches(index, 12, decode_region=True, decode_downscale=False)
+    b = first_batches(index, 12, decode_region=False)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x["id"], y["id"])
         assert torch.equal(x["image"], y["image"])
@@ -239,9 +212,9 @@ def test_loader_batches_are_the_same_with_and_without_region_decoding(tmp_path):
 
 def test_without_the_library_the_loader_says_so_once_and_decodes_whole_images(tmp_path, monkeypatch, capfd):
     index = write_tiny_shards(tmp_path / "s", [40, 40], size=72)
-    want = _batches(index, 4, decode_region=False)
+    want = first_batches(index, 4, decode_region=False)
     monkeypatch.setattr(jpegcrop, "load", lambda: "no C compiler (cc) to build jpegcrop.c")
-    got = _batches(index, 4)
+    got = first_batches(index, 4)
     notes = [line for line in capfd.readouterr().err.splitlines() if "jpegcrop" in line]
     assert notes == ["note: no C compiler (cc) to build jpegcrop.c; decoding whole JPEGs (slower)"]
     for x, y in zip(got, want, strict=True):
@@ -306,11 +279,11 @@ def _plant_library_without_the_symbol(where) -> str:
 
 def test_a_library_without_the_symbol_is_a_note_and_whole_decodes(tmp_path, monkeypatch, capfd):
     index = write_tiny_shards(tmp_path / "s", [40, 40], size=72)
-    want = _batches(index, 4, decode_region=False)
+    want = first_batches(index, 4, decode_region=False)
     planted = _plant_library_without_the_symbol(tmp_path / "build")
     monkeypatch.setenv("WDSDIST_BUILD", str(tmp_path / "build"))
     monkeypatch.setenv("CC", "no-such-cc")  # so it cannot be rebuilt
-    got = _batches(index, 4)
+    got = first_batches(index, 4)
     notes = [line for line in capfd.readouterr().err.splitlines() if "jpegcrop" in line]
     assert notes == [
         f"note: {planted} has no jpegcrop_decode (a damaged or foreign file), and no C compiler (no-such-cc) "

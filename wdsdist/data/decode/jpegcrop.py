@@ -16,9 +16,11 @@ at that fraction of its size (libjpeg's DCT scaling), so the resize still only s
 (``downscale``, off by default; such pixels differ from a bilinear shrink of the full decode, which
 may cost accuracy: bench/results/2026-11-25-decode-downscale-accuracy.md).
 
-The C part is compiled on first use with the system's C compiler against the system's
-libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``) into ``.build/`` (``WDSDIST_BUILD``).
-Without them ``load()`` says why and the loader decodes whole images as before.
+The C part is compiled at pip install time (setup.py), or else on first use, with the system's C
+compiler against the system's libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``), then into
+``.build/`` (``WDSDIST_BUILD``). Without them ``load()`` says why and the loader decodes whole
+images as before. It also holds the batch kernel (batch.py): a batch's crops decoded, resized
+and flipped in one call.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ from torchvision.transforms.v2 import functional as F
 
 SOURCE = Path(__file__).with_name("jpegcrop.c")
 JPEG_MAGIC = b"\xff\xd8\xff"
-_MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
-_loaded: dict[Path, ctypes.CDLL | str] = {}
+MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
+SYMBOLS = ("jpegcrop_decode", "jpegcrop_batch")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")  # setup.py builds it at pip install time with these too
+_loaded: dict[Path | str, ctypes.CDLL | str] = {}
 
 
 def build_dir() -> Path:
@@ -61,24 +65,46 @@ def build_dir() -> Path:
 
 
 def load(where: Path | None = None, cc: str | None = None) -> ctypes.CDLL | str:
-    """The compiled library (built first if needed), or a one-line reason why there is none."""
+    """The compiled library, or a one-line reason why there is none: the one pip install built
+    (setup.py), else one built here on first use into ``where`` (``build_dir()``)."""
+    if where is None and "installed" not in _loaded:
+        _loaded["installed"] = installed() or ""
+    if where is None and _loaded["installed"]:
+        return _loaded["installed"]
     where = where or build_dir()
     if where not in _loaded:
         _loaded[where] = _load(where, cc or os.environ.get("CC", "cc"))
     return _loaded[where]
 
 
+def source_tag() -> str:
+    """The source's hash on this machine's architecture: in a build's file name, and in the one
+    pip install makes (its jpegcrop_tag())."""
+    return hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode()).hexdigest()[:12]
+
+
+def installed() -> ctypes.CDLL | None:
+    """The library pip install built beside this file (setup.py), if it is there and was built
+    from this very source."""
+    for path in sorted(SOURCE.parent.glob("_jpegcrop*.so")):
+        lib = _open(path)
+        if isinstance(lib, str) or not _complete(lib) or not hasattr(lib, "jpegcrop_tag"):
+            continue
+        lib.jpegcrop_tag.restype = ctypes.c_char_p
+        if lib.jpegcrop_tag().decode() == source_tag():
+            return _configured(lib)
+    return None
+
+
 def _load(where: Path, cc: str) -> ctypes.CDLL | str:
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:12]
-    path = where / f"jpegcrop-{tag}.so"
+    path = where / f"jpegcrop-{source_tag()}.so"
     remove_dead_temporaries(where)
     if not path.exists():
         failed = _build(where, path, cc)
         if failed:
             return failed
     lib = _open(path)
-    if not isinstance(lib, str) and not hasattr(lib, "jpegcrop_decode"):
+    if not isinstance(lib, str) and not _complete(lib):
         # The name carries the source's hash, so this is no older build of ours but a damaged or
         # foreign file: build it anew once. dlopen hands back a loaded library by its name, so
         # the bad one is closed first.
@@ -87,15 +113,27 @@ def _load(where: Path, cc: str) -> ctypes.CDLL | str:
         if failed:
             return f"{path} has no jpegcrop_decode (a damaged or foreign file), and {failed}"
         lib = _open(path)
-        if not isinstance(lib, str) and not hasattr(lib, "jpegcrop_decode"):
+        if not isinstance(lib, str) and not _complete(lib):
             _ctypes.dlclose(lib._handle)
             return f"{path} has no jpegcrop_decode even when rebuilt from {SOURCE.name}"
     if isinstance(lib, str):
         return lib
+    return _configured(lib)
+
+
+def _configured(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its functions' argument types set."""
     int_p = ctypes.POINTER(ctypes.c_int)
     lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
+    # n, bufs, lens, params, out_h, out_w, outs, threads, status, msgs (batch.py)
+    lib.jpegcrop_batch.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    lib.jpegcrop_batch.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p]
     return lib
+
+
+def _complete(lib: ctypes.CDLL) -> bool:
+    return all(hasattr(lib, name) for name in SYMBOLS)
 
 
 def _open(path: Path) -> ctypes.CDLL | str:
@@ -120,9 +158,7 @@ def _build(where: Path, path: Path, cc: str) -> str | None:
     try:
         where.mkdir(parents=True, exist_ok=True)
         try:
-            done = subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ljpeg"], capture_output=True, text=True
-            )
+            done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-ljpeg"], capture_output=True, text=True)
             if done.returncode != 0:
                 lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
                 said = [ln for ln in lines if "fatal error" in ln or "cannot find" in ln]
@@ -179,7 +215,7 @@ class CropDecoder:
 
     def __init__(self, lib: ctypes.CDLL, crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, downscale: bool):
         self.lib, self.crop, self.flip, self.downscale = lib, crop, flip, downscale
-        self._msg = ctypes.create_string_buffer(_MSG_LEN)
+        self._msg = ctypes.create_string_buffer(MSG_LEN)
 
     @staticmethod
     def takes(data: bytes) -> bool:
@@ -209,12 +245,9 @@ class CropDecoder:
         p = self.crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
         return p, bool(torch.rand(1) < self.flip.p)
 
-    def render(self, data: bytes, width: int, height: int, drawn: tuple[dict, bool], whole) -> torch.Tensor:
-        """The uint8 CHW crop that ``drawn`` (from ``draw``) says, resized and maybe flipped. Where
-        libjpeg refuses the data (CMYK, a warning), the crop is taken from ``whole()``,
-        torchvision's decode. It draws nothing and keeps nothing, so threads may run it at once."""
-        p, flip = drawn
-        size, interpolation, antialias = self.crop.size, self.crop.interpolation, self.crop.antialias
+    def region_of(self, width: int, height: int, p: dict) -> tuple[int, int, int, int, int]:
+        """(denom, x, y, w, h): the region of a ``width`` x ``height`` image that the crop ``p`` (from
+        ``draw``) decodes, in pixels of the image decoded at 1/denom of its size."""
         top, left, h, w = p["top"], p["left"], p["height"], p["width"]
         denom = self.scale(h, w)
         if denom > 1:  # the region in the scaled image, which is ceil(size / denom) pixels
@@ -222,6 +255,15 @@ class CropDecoder:
             x1 = min(math.ceil((left + w) / denom), math.ceil(width / denom))
             y1 = min(math.ceil((top + h) / denom), math.ceil(height / denom))
             left, top, w, h = x0, y0, x1 - x0, y1 - y0
+        return denom, left, top, w, h
+
+    def render(self, data: bytes, width: int, height: int, drawn: tuple[dict, bool], whole) -> torch.Tensor:
+        """The uint8 CHW crop that ``drawn`` (from ``draw``) says, resized and maybe flipped. Where
+        libjpeg refuses the data (CMYK, a warning), the crop is taken from ``whole()``,
+        torchvision's decode. It draws nothing and keeps nothing, so threads may run it at once."""
+        p, flip = drawn
+        size, interpolation, antialias = self.crop.size, self.crop.interpolation, self.crop.antialias
+        denom, left, top, w, h = self.region_of(width, height, p)
         try:
             out = region(self.lib, data, left, top, w, h, denom).permute(2, 0, 1)
             image = F.resize(out, size, interpolation, antialias=antialias)
@@ -244,7 +286,7 @@ def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom:
 
 def _call(lib: ctypes.CDLL, data: bytes, *args, msg=None) -> tuple[int, int]:
     """jpegcrop_decode; the image's (width, height), or JpegError with libjpeg's message."""
-    msg = msg if msg is not None else ctypes.create_string_buffer(_MSG_LEN)
+    msg = msg if msg is not None else ctypes.create_string_buffer(MSG_LEN)
     width, height = ctypes.c_int(), ctypes.c_int()
     if lib.jpegcrop_decode(data, len(data), ctypes.byref(width), ctypes.byref(height), *args, msg):
         raise JpegError(msg.value.decode(errors="replace"))

@@ -19,6 +19,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from wdsdist.data.decode import jpegcrop
+from wdsdist.data.decode.batch import RegionJob
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.tar.tarread import Oversized
@@ -97,10 +98,11 @@ def prepare_sample(
     sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
 ) -> Callable[[], tuple[torch.Tensor, int]]:
     """decode_sample in two steps. This one checks the sample and makes its random draws, so it
-    runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns makes the
-    pixels, drawing nothing and sharing nothing, so threads may run several at once (the
-    worker's first batch, stream.run_ahead). Other images are decoded here. Either step raises
-    DataError naming the shard and key."""
+    runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns (a
+    batch.RegionJob) makes the pixels, drawing nothing and sharing nothing, so threads may run
+    several at once (the worker's first batch: warmstart.py), and the batch kernel takes many at
+    once (batch.rendered). Other images are decoded here. Either step raises DataError naming
+    the shard and key."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
@@ -143,8 +145,7 @@ def prepare_sample(
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
     if region:
-        drawn = crop.draw(width, height)
-        return lambda: (crop.render(data, width, height, drawn, whole), value)
+        return RegionJob(crop, data, width, height, crop.draw(width, height), whole, value)
     return _ready(transform(whole()), value)
 
 

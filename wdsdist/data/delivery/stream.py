@@ -29,12 +29,13 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
+from wdsdist.data.decode.batch import rendered
 from wdsdist.data.decode.jpegcrop import crop_decoder
 from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import collate
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stratified import quotas, stratified
-from wdsdist.data.delivery.warmstart import WarmStart, threads_for
+from wdsdist.data.delivery.warmstart import WarmStart, kernel_threads, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan import seeds
@@ -384,7 +385,9 @@ class ShardStream(IterableDataset):
         warm = WarmStart(self.gate, leader=physical == 0, rows=warm_rows, threads=threads_for(nworkers))
         if shared is not None:
             warm.ahead(functools.partial(shared.populate, physical))  # the first batch's buffer, while it decodes
-        rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
+        # The batch kernel's threads (0: no kernel, each image made on its own)
+        kernel = kernel_threads(cfg.decode_threads, nworkers) if crop is not None and cfg.decode_batch else 0
+        rows = self._rows(worker, nworkers, skips, prepare, runs, warm, kernel)
         if info is not None:
             rows = _primed(rows)
         if self.mix is not None and cfg.mix == "stratified":
@@ -401,6 +404,7 @@ class ShardStream(IterableDataset):
         prepare: Callable,
         runs: dict,
         warm: WarmStart,
+        kernel: int = 0,
     ) -> Iterator[tuple]:
         """(image, label, id, skips before it, key, runs skipped before it) rows, epoch after epoch;
         the samples a resumed worker had delivered (``skips``, and ``runs``: epoch -> sorted runs
@@ -413,14 +417,14 @@ class ShardStream(IterableDataset):
         (passed over on resume), so one run per epoch covers them: a shard whose index claims
         millions of samples it does not hold costs a row three numbers, not millions."""
         try:
-            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm)
+            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm, kernel)
         finally:
             warm.done()  # a leader whose stream ended or failed first holds nobody
 
     # One long method: the per-sample loop of the hot path, with what it passes over
     # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _epochs(
-        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart
+        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart, kernel: int
     ) -> Iterator[tuple]:
         cfg = self.cfg
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
@@ -432,7 +436,10 @@ class ShardStream(IterableDataset):
             passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
-            for seq, sample, done in warm.run(_prepared(wanted, prepare)):
+            items = _prepared(wanted, prepare)
+            if kernel:  # the region-decoded JPEGs a batch at a time, in one native call (decode/batch.py)
+                items = rendered(items, cfg.batch_size, functools.partial(warm.threads, kernel), warm.wait)
+            for seq, sample, done in warm.run(items):
                 seen += 1
                 if done is FAILED:  # its shard's failure is counted and warned about already
                     _skip(skipped, epoch, seq)

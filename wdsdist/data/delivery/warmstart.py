@@ -39,6 +39,14 @@ def threads_for(nworkers: int) -> int:
     return max(1, min(nworkers, cores))
 
 
+def kernel_threads(asked: int, nworkers: int) -> int:
+    """The batch kernel's threads in each worker (loader.decode_threads): as asked, or for 0 the
+    worker's share of the cores, at least 1."""
+    if asked > 0:
+        return asked
+    return max(1, threads_for(1 << 30) // max(1, nworkers))
+
+
 class WarmStart:
     """Runs a worker's prepared samples (``(seq, sample, prepared)``, where prepared is the
     function prepare_sample returned, a DataError it raised, or a marker passed through) and
@@ -48,7 +56,7 @@ class WarmStart:
     main process opens when it has the first batch, and the leader when its stream ends."""
 
     def __init__(self, gate: Any | None, *, leader: bool, rows: int, threads: int, wait_s: float = WAIT_S):
-        self.gate, self.leader, self.wait_s = gate, leader, wait_s
+        self.gate, self.leader, self.wait_s, self.nthreads = gate, leader, wait_s, threads
         self.rows_left = rows if leader and threads > 1 else 0
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="warm") if self.rows_left else None
         self.waited = leader or gate is None
@@ -61,6 +69,17 @@ class WarmStart:
         process to open."""
         if self.rows_left:
             self.rows_left -= 1
+
+    def threads(self, usual: int) -> int:
+        """The threads the batch kernel runs its next batch on: the leader's before its first
+        batch is made, else ``usual``."""
+        return max(usual, self.nthreads) if self.rows_left else usual
+
+    def wait(self) -> None:
+        """A follower waits (once, ``wait_s`` at most) for the gate before its first decode."""
+        if not self.waited:
+            self.waited = True
+            self.gate.wait(self.wait_s)  # type: ignore[union-attr]
 
     def ahead(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the leader's threads before its rows (nothing without threads)."""
@@ -100,9 +119,8 @@ class WarmStart:
                 if item is None:
                     return
                 seq, sample, prepared = item
-                if callable(prepared) and not self.waited:
-                    self.waited = True
-                    self.gate.wait(self.wait_s)  # type: ignore[union-attr]
+                if callable(prepared):
+                    self.wait()
                 yield seq, sample, _outcome(prepared)
         finally:
             for _, _, prepared in pending:
