@@ -82,12 +82,20 @@ def rendered(
 ) -> Iterator[tuple]:
     """``(seq, sample, prepared)`` items (stream._prepared's) in the same order, each RegionJob
     among the next ``chunk`` replaced by its ``(image, label)`` where the kernel made it.
-    ``threads()``: the threads for the next kernel call (the warm start's leader makes its first
-    batch on all of the rank's cores); ``before()``: called before each kernel call (a warm
-    start's follower waits there, once, for the leader's first batch). An error that ends the
-    stream is raised after the items read before it have been given."""
+    ``threads()``: the threads for the next kernel call; 0 passes items on one by one, untouched
+    (the warm start's leader makes its first batch on its own threads as the samples come,
+    warmstart.py); ``before()``: called before each kernel call (a warm start's follower waits
+    there, once, for the leader's first batch). An error that ends the stream is raised after
+    the items read before it have been given."""
     items = iter(items)
     while True:
+        nthreads = threads()
+        if nthreads == 0:
+            item = next(items, None)
+            if item is None:
+                return
+            yield item
+            continue
         window, error = [], None
         try:
             for item in items:
@@ -100,7 +108,7 @@ def rendered(
         if at:
             if before is not None:
                 before()
-            images, reasons = render_jobs([window[i][2] for i in at], threads())
+            images, reasons = render_jobs([window[i][2] for i in at], nthreads)
             for k, i in enumerate(at):
                 if reasons[k] is None:
                     seq, sample, job = window[i]

@@ -5,7 +5,7 @@ shuffle."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,20 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     if keys[0] is not None:
         batch["key"] = list(keys)
     return batch
+
+
+def batched(rows: Iterable[tuple], size: int, collation: Callable[[list], Any], partial: bool) -> Iterator[Any]:
+    """A worker's rows in batches of ``size``, each collated as soon as its last row has come
+    (webdataset's ``batched`` waits for the first row of the next batch: one more decode before
+    every batch, and with the batch kernel a whole batch's); a short last one only if ``partial``."""
+    batch: list = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == size:
+            yield collation(batch)
+            batch = []
+    if batch and partial:
+        yield collation(batch)
 
 
 def opened(gate: Any | None) -> None:

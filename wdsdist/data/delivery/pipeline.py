@@ -16,8 +16,8 @@ Every sample carries an id, so the loader knows exactly what was consumed (resum
 with split=samples its position in the epoch's sample sequence (``batch["pos"]``).
 
 What comes from WebDataset: ``wds.WebLoader`` (a DataLoader with ``compose``, ``batched`` and
-``repeat`` stages) is the rank's loader; ``wds.filters.shuffle`` and ``wds.filters.batched``
-shuffle and batch inside the workers; ``wds.gopen`` opens ``pipe:``, object-store and ``file:``
+``repeat`` stages) is the rank's loader; ``wds.filters.shuffle`` shuffles inside the workers;
+``wds.gopen`` opens ``pipe:``, object-store and ``file:``
 URLs; ``base_plus_ext`` groups tar members into samples, so WebDataset's shards read unchanged;
 ``wds.TarWriter`` writes shards (tools/shards.py). What is done here instead, and why (each measured
 against what it replaced in bench/results/2026-11-21-loader.md):
@@ -30,6 +30,8 @@ against what it replaced in bench/results/2026-11-21-loader.md):
     command and a stalled or dripping server fails in bounded time;
   - ``decode("pil")``: torchvision's libjpeg-turbo into uint8, and only the crop's region of a
     JPEG (jpegcrop.py), faster than a whole decode and the same pixels;
+  - ``wds.filters.batched`` in the workers: batches.batched, which hands a batch over as soon as
+    its last row is made, not once the next batch's first is;
   - a new shared-memory tensor per batch: buffers each worker reuses (sharedbatches.py), so the
     kernel does not zero and fault in a batch's pages every time;
   - a worker stopping at each epoch's end: epochless workers, which do not idle while the

@@ -26,13 +26,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from wdsdist.data.decode.batch import rendered
 from wdsdist.data.decode.jpegcrop import crop_decoder
 from wdsdist.data.decode.sample import make_transform, prepare_sample
-from wdsdist.data.delivery.batches import collate
+from wdsdist.data.delivery.batches import batched, collate
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stratified import quotas, stratified
 from wdsdist.data.delivery.warmstart import WarmStart, kernel_threads, threads_for
@@ -62,6 +61,9 @@ POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (
 # It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
 # resume replays (order.shuffled_offsets); it is never decoded, and counts as skipped.
 FAILED = "__failed__"
+# Images per batch-kernel call: 64 at a time held 60 MB more per worker than 16 (glibc's heap
+# grows with the window) and were no faster (bench/results/2026-11-27-batch-kernel.md).
+KERNEL_CHUNK = 16
 
 
 def _primed(rows: Iterator[T]) -> Iterator[T]:
@@ -394,7 +396,7 @@ class ShardStream(IterableDataset):
             made = {epoch: (start + len(skip)) // cfg.batch_size for epoch, (start, skip) in skips.items()}
             cap = 4 * cfg.batch_size + cfg.shuffle_buffer
             return stratified(rows, self, cfg.batch_size, collation, partial, cap, made)
-        return wds.filters.batched(cfg.batch_size, collation_fn=collation, partial=partial)(rows)
+        return batched(rows, cfg.batch_size, collation, partial)
 
     def _rows(
         self,
@@ -438,7 +440,7 @@ class ShardStream(IterableDataset):
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
             items = _prepared(wanted, prepare)
             if kernel:  # the region-decoded JPEGs a batch at a time, in one native call (decode/batch.py)
-                items = rendered(items, cfg.batch_size, functools.partial(warm.threads, kernel), warm.wait)
+                items = rendered(items, KERNEL_CHUNK, functools.partial(warm.threads, kernel), warm.wait)
             for seq, sample, done in warm.run(items):
                 seen += 1
                 if done is FAILED:  # its shard's failure is counted and warned about already

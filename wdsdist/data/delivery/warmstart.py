@@ -56,7 +56,7 @@ class WarmStart:
     main process opens when it has the first batch, and the leader when its stream ends."""
 
     def __init__(self, gate: Any | None, *, leader: bool, rows: int, threads: int, wait_s: float = WAIT_S):
-        self.gate, self.leader, self.wait_s, self.nthreads = gate, leader, wait_s, threads
+        self.gate, self.leader, self.wait_s = gate, leader, wait_s
         self.rows_left = rows if leader and threads > 1 else 0
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="warm") if self.rows_left else None
         self.waited = leader or gate is None
@@ -71,9 +71,10 @@ class WarmStart:
             self.rows_left -= 1
 
     def threads(self, usual: int) -> int:
-        """The threads the batch kernel runs its next batch on: the leader's before its first
-        batch is made, else ``usual``."""
-        return max(usual, self.nthreads) if self.rows_left else usual
+        """The threads the batch kernel runs its next batch on: ``usual``, or 0 while the leader
+        makes its first batch on its own threads (``run``), decoding each sample as it comes
+        rather than after the batch's last has been read."""
+        return 0 if self.rows_left else usual
 
     def wait(self) -> None:
         """A follower waits (once, ``wait_s`` at most) for the gate before its first decode."""
