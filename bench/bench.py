@@ -66,7 +66,7 @@ CONTENDERS = (
     "ours-work",
     "ours-work-together",
 )
-PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")  # run in .bench-venv (bench/peers.py)
+PEERS = ("streaming", "litdata", "dali", "ffcv", "wids", "spdl")  # run in .bench-venv (bench/peers.py)
 # With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
 WITH_PEERS = ("ours", "limit", "ours-work", "ours-work-together", *PEERS)
 DATASETS = ("noise", "photos")
@@ -88,6 +88,7 @@ LABELS = {
     "dali": "(h) DALI, CPU: readers.webdataset + decoders",
     "ffcv": "(i) FFCV: .beton + RandomResizedCropRGBDecoder",
     "wids": "(j) wids: ShardListDataset + ChunkedSampler",
+    "spdl": "(k) SPDL: PipelineBuilder, FFmpeg decode + filters on threads",
 }
 
 
@@ -366,6 +367,7 @@ def import_first(name: str) -> None:
         "dali": ["nvidia.dali", "nvidia.dali.plugin.pytorch"],
         "ffcv": ["ffcv", "ffcv.loader", "ffcv.fields.decoders", "ffcv.transforms"],
         "wids": ["wids"],
+        "spdl": ["spdl.io", "spdl.pipeline"],
     }
     if name in PEERS:
         for module in ["peers", *modules[name]]:
@@ -629,9 +631,10 @@ def main() -> int:
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
     names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
     extra: dict = {}
-    if "ffcv" in names and (wanted := peervenv.missing_packages("ffcv")):
-        others = " ".join(n for n in names if n != "ffcv")
-        raise SystemExit(f"error: {peervenv.needs_line('ffcv', wanted)}; or leave FFCV out: --only {others}")
+    for peer in ("ffcv", "spdl"):  # what they need from Debian: the one line that installs it
+        if peer in names and (wanted := peervenv.missing_packages(peer)):
+            others = " ".join(n for n in names if n != peer)
+            raise SystemExit(f"error: {peervenv.needs_line(peer, wanted)}; or leave {peer} out: --only {others}")
     if "photos" in datasets or any(name in PEERS for name in names):
         extra["bench_venv"] = peervenv.ensure()
     infos = {ds: prepare(data_folder(args, ds), args.images, ds) for ds in datasets}

@@ -3,9 +3,9 @@
 Run only inside .bench-venv (bench/requirements-peers.txt), one contender per process, by
 bench.py. Every one does the same work per sample as ours: decode, RandomResizedCrop(224) (scale
 0.08-1, ratio 3/4-4/3), horizontal flip half the time, uint8 batches of 64, drop the last partial
-batch, 2 workers (DataLoader worker processes, or DALI's and FFCV's own threads). Each peer's
+batch, 2 workers (DataLoader worker processes, or DALI's, FFCV's and SPDL's own threads). Each peer's
 own format is converted once from the bench's images (``convert``), outside the timed part, and
-cached under the data set's folder (peers/NAME/).
+cached under the data set's folder (peers/NAME/); wids and SPDL read the shards as they are.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 # torch.frombuffer over read-only bytes: only read here (decode_jpeg), so its warning says nothing.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-PEERS = ("streaming", "litdata", "dali", "ffcv", "wids")
+PEERS = ("streaming", "litdata", "dali", "ffcv", "wids", "spdl")
 CHUNK_BYTES = 64 << 20  # MDS and LitData chunk size: their documented defaults are 64 MB ("64mb")
 
 
@@ -117,8 +117,8 @@ def convert(name: str, info: dict) -> dict:
         # its images are re-encodings of ours at quality 90, not the same bytes.
         fields = {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()}
         DatasetWriter(str(out) + ".beton", fields, num_workers=2).from_indexed_dataset(Images(tree_samples(info)))
-    elif name == "wids":
-        pass  # reads our shards through our index as they are
+    elif name in ("wids", "spdl"):
+        pass  # read our shards as they are
     else:
         raise ValueError(name)
     result = {"convert_s": round(time.perf_counter() - start, 1), "mb": round(_size(folder) / 2**20, 1)}
@@ -153,6 +153,8 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
         return _ffcv(str(folder / "data") + ".beton", workers, batch)
     if name == "wids":
         return _wids(info, workers, batch)
+    if name == "spdl":
+        return SpdlEpochs(shard_paths(info), workers, batch)
     raise ValueError(name)
 
 
@@ -275,3 +277,93 @@ def _wids(info: dict, workers: int, batch: int):
     return torch.utils.data.DataLoader(
         ds, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=True, persistent_workers=True
     )
+
+
+def crop_params(width: int, height: int, rng) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's draw (scale 0.08-1, ratio 3/4-4/3, 10 tries, then the centre crop within
+    the ratio), as torchvision's get_params, with ``rng`` (a random.Random): (x, y, w, h)."""
+    import math
+
+    area, log_ratio = width * height, (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+    ratio = width / height
+    if ratio < 3 / 4:
+        w, h = width, int(round(width / (3 / 4)))
+    elif ratio > 4 / 3:
+        w, h = int(round(height * 4 / 3)), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+class SpdlEpochs:
+    """SPDL (facebookresearch/spdl) as its documentation builds a data loader: a PipelineBuilder
+    whose source yields the samples (each tar read with spdl.io.iter_tarfile, shards in a new order
+    each epoch, a shuffle buffer of 1,000 as ours), a decode stage on ``workers`` threads (demux_image
+    + decode_packets with the crop, the resize and the flip as FFmpeg filters, native code that
+    releases the GIL), batches of ``batch`` (drop_last), and a collate stage into one uint8 tensor.
+    Threads in one process, not worker processes: SPDL's design."""
+
+    def __init__(self, tars: list[str], workers: int, batch: int):
+        import random
+
+        self.tars, self.workers, self.batch, self.rng = tars, workers, batch, random.Random(0)
+
+    def _samples(self):
+        import spdl.io
+
+        order = list(self.tars)
+        self.rng.shuffle(order)
+        buffer: list = []
+        for tar in order:
+            with open(tar, "rb") as f:
+                members = dict(spdl.io.iter_tarfile(f.read()))
+            for name, data in members.items():
+                if name.endswith(".jpg"):
+                    buffer.append((data, int(bytes(members[name[:-4] + ".cls"]))))
+                    if len(buffer) >= 1000:
+                        yield buffer.pop(self.rng.randrange(len(buffer)))
+        self.rng.shuffle(buffer)
+        yield from buffer
+
+    def __iter__(self):
+        import random
+        import threading
+
+        import numpy as np
+        import spdl.io
+        import torch
+        from spdl.pipeline import PipelineBuilder
+
+        local = threading.local()
+
+        def decode(item):
+            data, label = item
+            rng = getattr(local, "rng", None) or setattr(local, "rng", random.Random()) or local.rng
+            packets = spdl.io.demux_image(data)
+            x, y, w, h = crop_params(packets.width, packets.height, rng)
+            flip = ",hflip" if rng.random() < 0.5 else ""
+            desc = f"crop={w}:{h}:{x}:{y},scale=224:224:flags=bilinear{flip},format=rgb24"
+            frames = spdl.io.decode_packets(packets, filter_desc=desc)
+            return spdl.io.to_numpy(spdl.io.convert_frames(frames)), label
+
+        def collate(items):
+            images = torch.from_numpy(np.stack([image for image, _ in items])).permute(0, 3, 1, 2)
+            return images, torch.tensor([label for _, label in items])
+
+        pipeline = (
+            PipelineBuilder()
+            .add_source(self._samples())
+            .pipe(decode, concurrency=self.workers)
+            .aggregate(self.batch, drop_last=True)
+            .pipe(collate)
+            .add_sink(3)
+            .build(num_threads=self.workers)
+        )
+        with pipeline.auto_stop():
+            yield from pipeline.get_iterator()

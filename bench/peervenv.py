@@ -10,6 +10,7 @@ the other peers still install, and the next run builds it once they are there.
 
 from __future__ import annotations
 
+import ctypes.util
 import hashlib
 import json
 import shutil
@@ -25,6 +26,9 @@ STAMP = ".requirements.json"
 # The sdists that compile against system headers: the pkg-config module each needs, and the
 # Debian package that brings it (ffcv's setup.py asks pkg-config for opencv4 and libturbojpeg).
 SOURCE_BUILT = {"ffcv": {"opencv4": "libopencv-dev", "libturbojpeg": "libturbojpeg0-dev"}}
+# The peers that load system libraries at run time: the libraries, and the Debian package that
+# brings them all (spdl opens whichever FFmpeg, 4 to 9, the machine has).
+RUNTIME = {"spdl": (("avcodec", "avformat", "avfilter", "avdevice", "swscale", "avutil"), "ffmpeg")}
 # The torch trap (see requirements-peers.txt): a torchvision that does not match torch imports
 # but fails at its first operator, so the check runs one.
 CHECK = (
@@ -58,8 +62,12 @@ def _name(req: str) -> str:
 
 
 def missing_packages(name: str) -> list[str]:
-    """The Debian packages the source-built peer ``name`` compiles against that this machine
-    lacks (pkg-config too, which finds them); [] for a peer that comes as a wheel."""
+    """The Debian packages the peer ``name`` needs that this machine lacks: those a source-built
+    peer compiles against (pkg-config too, which finds them), or those whose libraries it opens at
+    run time; [] for a wheel that brings what it needs."""
+    if name in RUNTIME:
+        libraries, package = RUNTIME[name]
+        return [package] if any(ctypes.util.find_library(lib) is None for lib in libraries) else []
     modules = SOURCE_BUILT.get(name, {})
     if not modules:
         return []
@@ -74,7 +82,8 @@ def install_line(packages: list[str]) -> str:
 
 def needs_line(name: str, packages: list[str]) -> str:
     """One line: what the peer needs and the command that installs it."""
-    return f"{name} builds from source against Debian's {', '.join(packages)}: {install_line(packages)} (as root)"
+    how = "opens at run time the libraries of" if name in RUNTIME else "builds from source against"
+    return f"{name} {how} Debian's {', '.join(packages)}: {install_line(packages)} (as root)"
 
 
 def split_requirements(text: str) -> tuple[list[str], list[str]]:

@@ -108,6 +108,16 @@ def test_ffcv_is_left_out_with_the_debian_packages_it_lacks(tmp_path, monkeypatc
     assert not_built["ffcv"].endswith("apt-get install -y pkg-config libopencv-dev libturbojpeg0-dev (as root)")
 
 
+def test_spdl_names_the_package_of_the_ffmpeg_libraries_it_opens(monkeypatch):
+    found = {"avcodec": "libavcodec.so.59", "avformat": "libavformat.so.59"}
+    monkeypatch.setattr(peervenv.ctypes.util, "find_library", found.get)
+    assert peervenv.missing_packages("spdl") == ["ffmpeg"]
+    line = peervenv.needs_line("spdl", ["ffmpeg"])
+    assert line == "spdl opens at run time the libraries of Debian's ffmpeg: apt-get install -y ffmpeg (as root)"
+    monkeypatch.setattr(peervenv.ctypes.util, "find_library", lambda name: f"lib{name}.so")
+    assert peervenv.missing_packages("spdl") == []
+
+
 def test_a_peer_left_out_for_packages_is_built_once_they_are_installed(tmp_path, monkeypatch):
     """The stamp keeps why a peer is missing; a later run builds it once its packages are there,
     and never retries a pip failure that had them (an older stamp, without the reason: any)."""
@@ -134,5 +144,20 @@ def test_the_peers_bench_stops_in_one_line_naming_what_ffcv_lacks(tmp_path):
     assert proc.returncode != 0
     line = one_error_line(proc)
     assert "apt-get install -y libopencv-dev libturbojpeg0-dev" in line
-    others = line.split("or leave FFCV out: --only ")[1].split()
+    others = line.split("or leave ffcv out: --only ")[1].split()
     assert "ffcv" not in others and {"ours", "litdata", "streaming", "wids"} <= set(others)
+
+
+def test_spdls_crop_draw_is_random_resized_crops():
+    """bench/peers.py draws SPDL's crops as torchvision's RandomResizedCrop does: inside the image,
+    area 8-100 %, aspect 3/4-4/3 (rounding aside), and the centre crop when no try fits."""
+    import random
+
+    peers = load("peers")
+    rng = random.Random(3)
+    for width, height in [(500, 375), (300, 500), (64, 64)]:
+        for _ in range(500):
+            x, y, w, h = peers.crop_params(width, height, rng)
+            assert 0 <= x <= width - w and 0 <= y <= height - h and w > 0 and h > 0
+            assert 0.07 <= w * h / (width * height) <= 1.0 and 0.7 <= w / h <= 1.4
+    assert peers.crop_params(1000, 10, random.Random(0)) == (493, 0, 13, 10)  # no try fits: the centre, at 4/3
