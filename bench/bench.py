@@ -88,7 +88,7 @@ LABELS = {
     "dali": "(h) DALI, CPU: readers.webdataset + decoders",
     "ffcv": "(i) FFCV: .beton + RandomResizedCropRGBDecoder",
     "wids": "(j) wids: ShardListDataset + ChunkedSampler",
-    "spdl": "(k) SPDL: PipelineBuilder, FFmpeg decode + filters on threads",
+    "spdl": "(k) SPDL: PipelineBuilder + FFmpeg, threads",
 }
 
 

@@ -44,6 +44,28 @@ static void start(struct jpeg_decompress_struct *cinfo, struct error *err, const
   jpeg_mem_src(cinfo, buf, len);
 }
 
+/* Whether the region x, y, w, h lies outside the image's output size (said in msg). */
+static int outside(struct jpeg_decompress_struct *cinfo, int x, int y, int w, int h, char *msg) {
+  if (x < 0 || y < 0 || w < 1 || h < 1 || (JDIMENSION)(x + w) > cinfo->output_width ||
+      (JDIMENSION)(y + h) > cinfo->output_height) {
+    snprintf(msg, JMSG_LENGTH_MAX, "region %dx%d+%d+%d is outside the %ux%u image", w, h, x, y, cinfo->output_width,
+             cinfo->output_height);
+    return 1;
+  }
+  return 0;
+}
+
+/* Limits the columns decoded to the region's, x to x + w: *xoffset, *xwidth are the columns
+   libjpeg decodes (xoffset moved down to an iMCU boundary). One column more on each side: chroma
+   upsampling at the edge of a decoded window differs from upsampling inside the image, and with
+   the margin the region's pixels equal a whole decode's. After jpeg_start_decompress. */
+static void crop_columns(struct jpeg_decompress_struct *cinfo, int x, int w, JDIMENSION *xoffset, JDIMENSION *xwidth) {
+  JDIMENSION left = x > 0 ? (JDIMENSION)x - 1 : 0;
+  JDIMENSION right = (JDIMENSION)(x + w + 1) < cinfo->output_width ? (JDIMENSION)(x + w + 1) : cinfo->output_width;
+  *xoffset = left, *xwidth = right - left;
+  jpeg_crop_scanline(cinfo, xoffset, xwidth);
+}
+
 /* The image's size into *width and *height; then, unless denom is 0, the region x, y, w, h (in
    pixels of the image decoded at 1/denom of its size) as RGB rows of w * 3 bytes into out
    (h * w * 3 bytes). */
@@ -67,19 +89,12 @@ int jpegcrop_decode(const unsigned char *buf, unsigned long len, int *width, int
   cinfo.scale_num = 1;
   cinfo.scale_denom = (unsigned int)denom;
   jpeg_start_decompress(&cinfo);
-  if (x < 0 || y < 0 || w < 1 || h < 1 || (JDIMENSION)(x + w) > cinfo.output_width ||
-      (JDIMENSION)(y + h) > cinfo.output_height) {
-    snprintf(msg, JMSG_LENGTH_MAX, "region %dx%d+%d+%d is outside the %ux%u image", w, h, x, y, cinfo.output_width,
-             cinfo.output_height);
+  if (outside(&cinfo, x, y, w, h, msg)) {
     jpeg_destroy_decompress(&cinfo);
     return -1;
   }
-  /* One column more on each side: chroma upsampling at the edge of a decoded window differs from
-     upsampling inside the image, and with the margin the region's pixels equal a whole decode's. */
-  JDIMENSION left = x > 0 ? (JDIMENSION)x - 1 : 0;
-  JDIMENSION right = (JDIMENSION)(x + w + 1) < cinfo.output_width ? (JDIMENSION)(x + w + 1) : cinfo.output_width;
-  JDIMENSION xoffset = left, xwidth = right - left;
-  jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* moves xoffset down to an iMCU boundary */
+  JDIMENSION xoffset, xwidth;
+  crop_columns(&cinfo, x, w, &xoffset, &xwidth);
   JSAMPARRAY row = cinfo.mem->alloc_sarray((j_common_ptr)&cinfo, JPOOL_IMAGE, xwidth * 3, 1);
   if (y > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y);
   for (int r = 0; r < h; r++) {
@@ -104,7 +119,7 @@ int jpegcrop_decode(const unsigned char *buf, unsigned long len, int *width, int
    the cache, so the region itself is never held whole: a thread holds the region's rows at the
    output's width (h x out_w x 3 bytes, h at most the image's height). */
 
-enum { MSG_LEN = JMSG_LENGTH_MAX, ROW_PAD = 16 /* bytes after a row that resize_row_avx2 may read */ };
+enum { MSG_LEN = JMSG_LENGTH_MAX, ROW_PAD = 16 /* bytes after a row that resize_rows4_avx2 may read */ };
 
 struct taps {
   int *start, *count; /* per output pixel: the first input pixel and how many */
@@ -181,7 +196,7 @@ static void taps_free(struct taps *t) {
   t->start = NULL, t->weight = NULL, t->quads = NULL;
 }
 
-/* The weights laid out for resize_row_avx2: 16 per group of 4 taps, 0 past the pixel's own. */
+/* The weights laid out for resize_rows4_avx2: 16 per group of 4 taps, 0 past the pixel's own. */
 static int taps_quads(struct taps *t, int out_size) {
   t->groups = (t->ksize + 3) / 4;
   t->quads = calloc((size_t)out_size * t->groups * 16, sizeof(int16_t));
@@ -248,35 +263,10 @@ __attribute__((target("sse4.1"))) static void resize_row_sse(const unsigned char
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
-/* Four taps per multiply-add: four pixels' bytes paired by channel, (r0 r1 g0 g1 b0 b1 x0 x1) and
-   (r2 r3 ...), widened to 16 bits, times taps_quads' weights; the two halves summed. Reads up to
-   3 pixels past a pixel's last tap (their weights are 0): the row has room (ROW_PAD). */
-__attribute__((target("avx2"))) static void resize_row_avx2(const unsigned char *in, unsigned char *out, int out_w,
-                                                           const struct taps *t) {
-  const __m128i pair = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-  const int shift = t->precision;
-  const __m128i half = _mm_set1_epi32(1 << (shift - 1));
-  for (int x = 0; x < out_w; x++) {
-    const unsigned char *p = in + (size_t)t->start[x] * 4;
-    const __m256i *q = (const __m256i *)(t->quads + (size_t)x * t->groups * 16);
-    const int groups = (t->count[x] + 3) / 4;
-    __m256i acc = _mm256_setzero_si256();
-    for (int g = 0; g < groups; g++, p += 16) {
-      __m256i px = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), pair));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(px, _mm256_loadu_si256(q + g)));
-    }
-    __m128i sum = _mm_add_epi32(_mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1)), half);
-    sum = _mm_srai_epi32(sum, shift);
-    sum = _mm_packus_epi16(_mm_packs_epi32(sum, sum), sum);
-    int32_t rgbx = _mm_cvtsi128_si32(sum);
-    memcpy(out + x * 3, &rgbx, 3);
-  }
-}
-#endif
-
-#if defined(__x86_64__) || defined(__i386__)
-/* resize_row_avx2 on four rows at once: each pixel's weights loaded once for the four, and four
-   independent sums in flight. */
+/* Four rows at once, four taps per multiply-add: each pixel's bytes paired by channel, (r0 r1 g0
+   g1 b0 b1 x0 x1) and (r2 r3 ...), widened to 16 bits, times taps_quads' weights, the two halves
+   summed; each pixel's weights loaded once for the four rows, four independent sums in flight.
+   Reads up to 3 pixels past a pixel's last tap (their weights are 0): the row has room (ROW_PAD). */
 __attribute__((target("avx2"))) static void resize_rows4_avx2(unsigned char *const *in, unsigned char *const *out,
                                                              int out_w, const struct taps *t) {
   const __m128i pair = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
@@ -312,8 +302,10 @@ __attribute__((target("avx2"))) static void resize_rows4_avx2(unsigned char *con
 
 static void resize_row(const unsigned char *in, unsigned char *out, int out_w, const struct taps *t) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (t->quads) {
-    resize_row_avx2(in, out, out_w, t);
+  if (t->quads) { /* one row: the same row four times */
+    unsigned char *ins[4] = {(unsigned char *)in, (unsigned char *)in, (unsigned char *)in, (unsigned char *)in};
+    unsigned char *outs[4] = {out, out, out, out};
+    resize_rows4_avx2(ins, outs, out_w, t);
     return;
   }
   if (__builtin_cpu_supports("sse4.1")) {
@@ -429,10 +421,7 @@ static int render(const unsigned char *buf, unsigned long len, const int *p, int
   cinfo.scale_num = 1;
   cinfo.scale_denom = (unsigned int)denom;
   jpeg_calc_output_dimensions(&cinfo);
-  if (x < 0 || y < 0 || w < 1 || h < 1 || (JDIMENSION)(x + w) > cinfo.output_width ||
-      (JDIMENSION)(y + h) > cinfo.output_height) {
-    snprintf(msg, MSG_LEN, "region %dx%d+%d+%d is outside the %ux%u image", w, h, x, y, cinfo.output_width,
-             cinfo.output_height);
+  if (outside(&cinfo, x, y, w, h, msg)) {
     jpeg_destroy_decompress(&cinfo);
     return -1;
   }
@@ -458,11 +447,8 @@ static int render(const unsigned char *buf, unsigned long len, const int *p, int
     return -1;
   }
   jpeg_start_decompress(&cinfo);
-  /* As jpegcrop_decode: one column more on each side, so the pixels equal a whole decode's. */
-  JDIMENSION left = x > 0 ? (JDIMENSION)x - 1 : 0;
-  JDIMENSION right = (JDIMENSION)(x + w + 1) < cinfo.output_width ? (JDIMENSION)(x + w + 1) : cinfo.output_width;
-  JDIMENSION xoffset = left, xwidth = right - left;
-  jpeg_crop_scanline(&cinfo, &xoffset, &xwidth);
+  JDIMENSION xoffset, xwidth;
+  crop_columns(&cinfo, x, w, &xoffset, &xwidth);
   JSAMPARRAY row = cinfo.mem->alloc_sarray((j_common_ptr)&cinfo, JPOOL_IMAGE, xwidth * 4 + ROW_PAD, 4);
   if (y > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y);
   /* Without a vertical pass the rows go straight to the output. */
