@@ -344,7 +344,9 @@ class SpdlEpochs:
 
         def decode(item):
             data, label = item
-            rng = getattr(local, "rng", None) or setattr(local, "rng", random.Random()) or local.rng
+            if not hasattr(local, "rng"):  # one generator per decode thread
+                local.rng = random.Random()
+            rng = local.rng
             packets = spdl.io.demux_image(data)
             x, y, w, h = crop_params(packets.width, packets.height, rng)
             flip = ",hflip" if rng.random() < 0.5 else ""

@@ -230,36 +230,6 @@ static void resize_row_plain(const unsigned char *in, unsigned char *out, int ou
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-/* The same, two taps per multiply-add: the two pixels' bytes paired by channel (r0 r1 g0 g1 ...),
-   widened to 16 bits and multiplied by (w0 w1) pairs into 32-bit sums (pmaddwd). */
-__attribute__((target("sse4.1"))) static void resize_row_sse(const unsigned char *in, unsigned char *out, int out_w,
-                                                            const struct taps *t) {
-  const __m128i pair = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, -1, -1, -1, -1, -1, -1, -1, -1);
-  const int shift = t->precision;
-  const __m128i half = _mm_set1_epi32(1 << (shift - 1));
-  for (int x = 0; x < out_w; x++) {
-    const unsigned char *p = in + (size_t)t->start[x] * 4;
-    const int16_t *wx = t->weight + (size_t)x * t->ksize;
-    const int n = t->count[x];
-    __m128i acc = half;
-    int k = 0;
-    for (; k + 1 < n; k += 2, p += 8) {
-      __m128i px = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)p), pair));
-      __m128i w = _mm_set1_epi32((int32_t)(((uint32_t)(uint16_t)wx[k + 1] << 16) | (uint16_t)wx[k]));
-      acc = _mm_add_epi32(acc, _mm_madd_epi16(px, w));
-    }
-    if (k < n) {
-      int32_t one;
-      memcpy(&one, p, 4);
-      __m128i px = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(one));
-      acc = _mm_add_epi32(acc, _mm_madd_epi16(px, _mm_set1_epi32((uint16_t)wx[k])));
-    }
-    acc = _mm_srai_epi32(acc, shift);
-    acc = _mm_packus_epi16(_mm_packs_epi32(acc, acc), acc);
-    int32_t rgbx = _mm_cvtsi128_si32(acc);
-    memcpy(out + x * 3, &rgbx, 3);
-  }
-}
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -306,10 +276,6 @@ static void resize_row(const unsigned char *in, unsigned char *out, int out_w, c
     unsigned char *ins[4] = {(unsigned char *)in, (unsigned char *)in, (unsigned char *)in, (unsigned char *)in};
     unsigned char *outs[4] = {out, out, out, out};
     resize_rows4_avx2(ins, outs, out_w, t);
-    return;
-  }
-  if (__builtin_cpu_supports("sse4.1")) {
-    resize_row_sse(in, out, out_w, t);
     return;
   }
 #endif
@@ -406,9 +372,31 @@ struct scratch {
 static int render(const unsigned char *buf, unsigned long len, const int *p, int out_h, int out_w, unsigned char *out,
                   struct scratch *s, char *msg) {
   int denom = p[0], x = p[1], y = p[2], w = p[3], h = p[4], flip = p[5];
+  if (w < 1 || h < 1) {
+    snprintf(msg, MSG_LEN, "region %dx%d is empty", w, h);
+    return -1;
+  }
+  /* The weights and the room for the rows, made before libjpeg runs: nothing of them changes
+     after setjmp, so the error path frees what was made. */
+  struct taps across = {0}, down = {0};
+  int quads = 0;
+#if defined(__x86_64__) || defined(__i386__)
+  quads = __builtin_cpu_supports("avx2");
+#endif
+  size_t need = (size_t)h * out_w * 3;
+  if (need > s->rows_size) {
+    unsigned char *grown = realloc(s->rows, need);
+    if (grown) s->rows = grown, s->rows_size = need;
+  }
+  if (need > s->rows_size || (w != out_w && (taps_make(&across, w, out_w) || (quads && taps_quads(&across, out_w)))) ||
+      (h != out_h && taps_make(&down, h, out_h))) {
+    snprintf(msg, MSG_LEN, "out of memory for a %dx%d region", w, h);
+    taps_free(&across);
+    taps_free(&down);
+    return -1;
+  }
   struct jpeg_decompress_struct cinfo;
   struct error err;
-  struct taps across = {0}, down = {0};
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);
     taps_free(&across);
@@ -423,27 +411,8 @@ static int render(const unsigned char *buf, unsigned long len, const int *p, int
   jpeg_calc_output_dimensions(&cinfo);
   if (outside(&cinfo, x, y, w, h, msg)) {
     jpeg_destroy_decompress(&cinfo);
-    return -1;
-  }
-  size_t need = (size_t)h * out_w * 3;
-  if (need > s->rows_size) {
-    unsigned char *grown = realloc(s->rows, need);
-    if (!grown) {
-      snprintf(msg, MSG_LEN, "out of memory for a %dx%d region", w, h);
-      jpeg_destroy_decompress(&cinfo);
-      return -1;
-    }
-    s->rows = grown, s->rows_size = need;
-  }
-  int quads = 0;
-#if defined(__x86_64__) || defined(__i386__)
-  quads = __builtin_cpu_supports("avx2");
-#endif
-  if ((w != out_w && (taps_make(&across, w, out_w) || (quads && taps_quads(&across, out_w)))) ||
-      (h != out_h && taps_make(&down, h, out_h))) {
-    snprintf(msg, MSG_LEN, "out of memory for a %dx%d region's weights", w, h);
-    jpeg_destroy_decompress(&cinfo);
     taps_free(&across);
+    taps_free(&down);
     return -1;
   }
   jpeg_start_decompress(&cinfo);

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import _ctypes
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -49,7 +50,7 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
 SYMBOLS = ("jpegcrop_decode", "jpegcrop_batch")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")  # setup.py builds it at pip install time with these too
-_loaded: dict[Path | str, ctypes.CDLL | str] = {}
+_loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
 def build_dir() -> Path:
@@ -67,10 +68,8 @@ def build_dir() -> Path:
 def load(where: Path | None = None, cc: str | None = None) -> ctypes.CDLL | str:
     """The compiled library, or a one-line reason why there is none: the one pip install built
     (setup.py), else one built here on first use into ``where`` (``build_dir()``)."""
-    if where is None and "installed" not in _loaded:
-        _loaded["installed"] = installed() or ""
-    if where is None and _loaded["installed"]:
-        return _loaded["installed"]
+    if where is None and (lib := installed()) is not None:
+        return lib
     where = where or build_dir()
     if where not in _loaded:
         _loaded[where] = _load(where, cc or os.environ.get("CC", "cc"))
@@ -83,6 +82,7 @@ def source_tag() -> str:
     return hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode()).hexdigest()[:12]
 
 
+@functools.cache
 def installed() -> ctypes.CDLL | None:
     """The library pip install built beside this file (setup.py), if it is there and was built
     from this very source."""

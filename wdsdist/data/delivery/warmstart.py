@@ -30,21 +30,23 @@ from wdsdist.errors import DataError
 WAIT_S = 3.0  # the longest a follower waits for the leader's first batch
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def threads_for(nworkers: int) -> int:
     """The leader's threads: one per worker of the rank, at most one per core it may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(nworkers, cores))
+    return max(1, min(nworkers, cores()))
 
 
 def kernel_threads(asked: int, nworkers: int) -> int:
     """The batch kernel's threads in each worker (loader.decode_threads): as asked, or for 0 the
     worker's share of the cores, at least 1."""
-    if asked > 0:
-        return asked
-    return max(1, threads_for(1 << 30) // max(1, nworkers))
+    return asked if asked > 0 else max(1, cores() // max(1, nworkers))
 
 
 class WarmStart:
