@@ -32,10 +32,20 @@ p.add_argument("--batch-size", type=int, default=64, help="per rank")
 p.add_argument("--lr", type=float, default=0.1, help="for a global batch of 256, scaled")
 p.add_argument("--image-size", type=int, default=32, help="side of the training crops, in pixels")
 p.add_argument("--num-classes", type=int, default=10, help="classes (labels outside 0..N-1 are skipped)")
+p.add_argument("--workers", default="auto", help="loader workers per rank; auto: sized to this node's cores")
+p.add_argument("--decode", default="cpu", choices=["cpu", "gpu"], help="gpu: decode JPEGs on the GPU (nvJPEG)")
 p.add_argument("--ckpt", default="ddp_loop.pt", help="the checkpoint: written each epoch, resumed from")
 p.add_argument("--stop-after", type=int, help="stop at this step, with a checkpoint")
 p.add_argument("--trace", help="append each rank's sample positions per epoch to TRACE.RANK.jsonl")
 args = p.parse_args()
+for path in [args.ckpt] + ([args.trace] if args.trace else []):  # before an epoch is spent: can we write there?
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: {path}: cannot make its folder {folder}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"error: {path}: its folder {folder} is not writable")
 
 cuda = torch.cuda.is_available()
 dist.init_process_group("nccl" if cuda else "gloo")
@@ -44,8 +54,12 @@ main = dist.get_rank() == 0
 cfg = LoaderConfig(
     mode="epoch", batch_size=args.batch_size, image_size=args.image_size, num_classes=args.num_classes,
     crop_scale=(0.35, 1.0),  # small images: keep most of each one
+    workers=args.workers, decode=args.decode,
+    pin_memory=cuda, node_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # workers=auto sizes by these
 )  # fmt: skip
 loader = Loader(args.shards, cfg)  # rank and world from torch.distributed; the same len() on every rank
+if main:
+    print(f"loader: {cfg.workers} workers per rank ({cfg.workers_why or '--workers'}), decode={cfg.decode}", flush=True)
 model = torchvision.models.resnet18(num_classes=args.num_classes)
 if args.image_size < 112:  # small images: a 3x3 stride-1 stem instead of ImageNet's 7x7 stride 2
     model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)

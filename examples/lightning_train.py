@@ -12,6 +12,7 @@ Validation runs through DDP, so every device needs a validation shard: --val nee
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 
@@ -41,7 +42,8 @@ p.add_argument("--max-steps", type=int, default=-1, help="stop at this step (wit
 p.add_argument("--batch-size", type=int, default=64, help="per device")
 p.add_argument("--image-size", type=int, default=32, help="side of the training crops, in pixels")
 p.add_argument("--num-classes", type=int, default=10, help="classes (labels outside 0..N-1 are skipped)")
-p.add_argument("--workers", type=int, default=2, help="loader workers per device")
+p.add_argument("--workers", default="auto", help="loader workers per device; auto: sized to this node's cores")
+p.add_argument("--decode", default="cpu", choices=["cpu", "gpu"], help="gpu: decode JPEGs on the GPU (nvJPEG)")
 p.add_argument("--lr", type=float, default=0.1, help="for a global batch of 256, scaled")
 p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"], help="cosine: 5 %% warmup, then down")
 p.add_argument("--ckpt-dir", default="lightning_ckpt", help="where checkpoints go")
@@ -119,8 +121,20 @@ if __name__ == "__main__":
         image_size=args.image_size,
         num_classes=args.num_classes,
         workers=args.workers,
+        decode=args.decode,
         crop_scale=(0.35, 1.0),  # small images: keep most of each one
+        # workers=auto sizes by these: batches for a GPU, and the processes on this node
+        pin_memory=torch.cuda.is_available() and args.accelerator != "cpu",
+        node_ranks=args.devices,
     )
+    folders = [os.path.abspath(args.ckpt_dir)] + ([os.path.dirname(os.path.abspath(args.trace))] if args.trace else [])
+    for path, folder in zip([args.ckpt_dir, args.trace], folders, strict=False):  # before training: writable?
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            sys.exit(f"error: {path}: cannot make the folder {folder}: {exc.strerror}")
+        if not os.access(folder, os.W_OK):
+            sys.exit(f"error: {path}: the folder {folder} is not writable")
     if args.val and len(expand_shards(args.val, cfg)) < args.devices:
         sys.exit(f"error: --val {args.val}: fewer shards than --devices {args.devices}; write more, smaller shards")
     data = WdsDataModule(args.shards, cfg, val_shards=args.val)

@@ -34,7 +34,7 @@ def ddp_loop(tmp: Path, index: Path, *extra: str) -> None:
         f"--batch-size={BATCH}",
         "--image-size=16",
         "--num-classes=10",
-        f"--ckpt={tmp / 'ckpt.pt'}",
+        f"--ckpt={tmp / 'run' / 'ckpt.pt'}",  # a folder not made yet: the loop makes it at start
         f"--trace={tmp / 'trace'}",
         *extra,
         cwd=tmp,
@@ -42,6 +42,17 @@ def ddp_loop(tmp: Path, index: Path, *extra: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (tmp / "out").write_text(result.stdout)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_loop_at_start(index, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    script = str(ROOT / "examples" / "ddp_loop.py")
+    result = run_script(script, str(index), f"--ckpt={blocker / 'run' / 'ckpt.pt'}", cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"error: {blocker / 'run' / 'ckpt.pt'}: cannot make its folder {blocker / 'run'}: Not a directory"
+    ]
 
 
 def traces(tmp: Path) -> dict[int, list[dict]]:

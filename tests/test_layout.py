@@ -41,8 +41,9 @@ DATA_ARROWS = {
     "sources": {"tar"},
     "decode": {"tar", "options"},
     "plan": {"options"},
-    "delivery": {"sources", "tar", "decode", "plan", "options"},
-    "options": {"sources"},
+    "delivery": {"sources", "tar", "decode", "plan", "options", "cores"},
+    "options": {"sources", "cores"},
+    "cores": set(),
     "loader": {"sources", "plan", "delivery", "options"},
 }
 DATA_FILES = sorted((PACKAGE / "data").rglob("*.py"))

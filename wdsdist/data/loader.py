@@ -20,6 +20,7 @@ import torch
 from wdsdist.data.delivery.mixing import mix_config, resolve_sources
 from wdsdist.data.delivery.pipeline import (
     RankLoader,
+    check_decode,
     check_layout,
     counted_shards,
     make_eval_loader,
@@ -31,6 +32,7 @@ from wdsdist.data.plan.restore import Resize, Restored
 from wdsdist.data.plan.splits import Plan
 from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
+from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ class Loader:
     the node cache, ``config.cache_dir``, did in the worker that made the batch since its previous
     one, named by ``CACHE_COUNTS``; sum them over batches, and over ranks, for a total). Convert
     and normalise on the device; the loader never makes float batches.
+
+    With ``config.decode="gpu"`` the workers hand on each JPEG's bytes and drawn crop, and
+    ``image`` is decoded here, on this process's current CUDA device, and lies there
+    (``decode_counts`` says how many images took which path).
 
     In ``mode=epoch`` each ``iter()`` is one epoch of the same number of batches on every rank,
     and ``len()`` is that number, counted from the epoch's start (after a resume it includes the
@@ -91,6 +97,12 @@ class Loader:
         mark_taken: bool = False,
     ):
         self.rank, self.world = dist_layout(rank, world)
+        check_decode(config)  # decode=gpu without CUDA: one line now
+        if transform is not None and config.decode == "gpu":
+            raise UserError(
+                "loader.decode=gpu: a transform runs in the workers on decoded images, and under "
+                "decode=gpu they decode none; apply it to batch['image'] on the GPU instead"
+            )
         self.mix = None
         if isinstance(shards, (list, tuple)) and shards and isinstance(shards[0], Source):
             config = mix_config(config)
@@ -141,6 +153,14 @@ class Loader:
             if before is not None:
                 self._held.append(before)
             yield batch
+
+    @property
+    def decode_counts(self) -> dict[str, int]:
+        """decode=gpu: training images decoded so far on the GPU (``gpu``), on the CPU (``cpu``: a
+        PNG, a CMYK JPEG, one nvJPEG refused) and left out of their batch (``failed``: no decoder
+        could); empty under decode=cpu."""
+        decoder = self._inner.decoder if self._inner is not None else None
+        return dict(decoder.counts) if decoder is not None else {}
 
     def taken(self, batch: dict | None = None) -> None:
         """With ``mark_taken``: the oldest batch delivered and not yet taken is now consumed."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
+from wdsdist.data.cores import AUTO, auto_workers, parse_workers
 from wdsdist.data.sources import httpopen, opener
 from wdsdist.errors import UserError
 
@@ -46,6 +47,7 @@ class ShardOrder(StrEnum):
 
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
 MIXES = ("sample", "stratified")
+DECODES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,11 @@ class StreamOptions:
     decode_threads: int = 0
     """With decode_batch: threads per worker; 0: the worker's share of the cores this process may
     run on, at least 1."""
+    decode: str = "cpu"
+    """Where training JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training
+    process, on its GPU, by nvJPEG: the workers only read the bytes and draw the crops, so a GPU
+    node needs few of them; decode/gpu.py). The same samples, draws and resume state either way;
+    the pixels within a grey level or two. Evaluation decodes on the CPU."""
     warm_start: bool = True
     """The first batch: worker 0 decodes its crops on a thread per worker while the others wait
     (delivery/warmstart.py), so the first batch comes sooner."""
@@ -177,8 +184,9 @@ class LoaderConfig(SampleOptions, StreamOptions):
 
     batch_size: int
     """Samples per batch, per rank."""
-    workers: int = 2
-    """DataLoader worker processes per rank; 0: load in the main process."""
+    workers: int | str = 2
+    """DataLoader worker processes per rank; 0: load in the main process; ``auto``: sized to the
+    cores this process may use and the ranks on its node (cores.py; ``workers_why`` says how)."""
     seed: int = 0
     """Every order the loader draws (shards, shuffles) comes from it: the same on every rank."""
     train: bool = True
@@ -197,6 +205,9 @@ class LoaderConfig(SampleOptions, StreamOptions):
     """Ranks that share a node, and so its cache (torchrun's LOCAL_WORLD_SIZE, given by the
     caller): shard_order=node keeps shards per node of these."""
 
+    workers_why: str | None = field(default=None, init=False)
+    """How ``workers="auto"`` was resolved, in words (None: the number was given)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"loader.mode={self.mode!r}: must be one of {', '.join(MODES)}")
@@ -209,6 +220,12 @@ class LoaderConfig(SampleOptions, StreamOptions):
             raise UserError(problem)
         self.nbatches = parse_nbatches(self.nbatches)
         self.cache_limit = parse_bytes(self.cache_limit)
+        self.workers = parse_workers(self.workers)
+        if self.workers == AUTO:
+            gpu_decode = self.decode == "gpu"
+            self.workers, self.workers_why = auto_workers(
+                gpu=self.pin_memory or gpu_decode, gpu_decode=gpu_decode, node_ranks=self.node_ranks
+            )
 
     @classmethod
     def from_sections(cls, *sections: Any, **given: Any) -> LoaderConfig:
@@ -313,6 +330,14 @@ def _nbatches_ok(value: Any) -> bool:
     return True
 
 
+def _workers_ok(value: Any) -> bool:
+    try:
+        parse_workers(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _samples_split(o: Any) -> bool:
     """split=samples in effect on a section, a LoaderConfig or a Hydra node: given, or the default
     for its mode (``default_split``); never in resampled mode."""
@@ -327,7 +352,7 @@ def _crop_scale_ok(scale: Any) -> bool:
 Rule = tuple[str, Callable[[Any], bool], str]
 BATCH_RULES: tuple[Rule, ...] = (
     ("batch_size", lambda o: o.batch_size >= 1, "must be >= 1"),
-    ("workers", lambda o: o.workers >= 0, "must be >= 0"),
+    ("workers", lambda o: _workers_ok(o.workers), "an integer >= 0 or auto"),
 )
 SAMPLE_RULES: tuple[Rule, ...] = (
     ("image_size", lambda o: o.image_size >= 8, "must be >= 8"),
@@ -367,8 +392,24 @@ STREAM_RULES: tuple[Rule, ...] = (
     ),
 )
 MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stratified"),)
-STREAM_RULES += MIX_RULES
-LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
+DECODE_RULES: tuple[Rule, ...] = (
+    ("decode", lambda o: o.decode in DECODES, "cpu or gpu"),
+    (
+        "decode",
+        lambda o: o.decode != "gpu" or o.cross_shuffle == 0,
+        "gpu does not apply with loader.cross_shuffle (the workers' batches hold bytes, not images)",
+    ),
+    (
+        "decode",
+        lambda o: o.decode != "gpu" or not o.decode_downscale,
+        "gpu does not apply with loader.decode_downscale (a CPU decoder's option)",
+    ),
+)
+STREAM_RULES += MIX_RULES + DECODE_RULES
+LAYOUT_RULES: tuple[Rule, ...] = (
+    ("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),
+    ("decode", lambda o: o.decode != "gpu" or o.train, "gpu applies to training batches (train=True)"),
+)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
 
 

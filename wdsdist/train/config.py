@@ -116,7 +116,9 @@ class TrainerConfig:
     steps: int = 1000
     epochs: int | None = None  # loader.mode=epoch only: steps = epochs x batches per epoch
     batch_size: int = 64  # per rank
-    workers: int = 2  # DataLoader workers per rank
+    # DataLoader workers per rank; auto: sized to the cores this process may use and the ranks on
+    # its node (wdsdist/data/cores.py), said in the start-up line
+    workers: int | str = "auto"
     eval_every: int = 0  # steps; 0: only at the end
     ckpt_every: int = 0  # steps; 0: only at the end
     keep: int = 3  # checkpoints kept besides latest.pt
@@ -124,7 +126,8 @@ class TrainerConfig:
     log_every: int = 20  # steps between log lines and TensorBoard scalars
     timeout_s: float = 1800.0  # no rank makes progress for this long: the job fails naming the stalled rank
     device: Device = Device.auto
-    amp: bool = True  # bf16 autocast (CUDA only)
+    amp: bool = True  # bf16 autocast on a GPU with bf16 units
+    amp_cpu: bool = False  # bf16 autocast on the CPU too (for studies: the CPU default stays float32)
     channels_last: bool = True  # CUDA only
 
 

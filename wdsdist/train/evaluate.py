@@ -32,6 +32,7 @@ class OnDevice:
         self.memory_format = torch.channels_last if cuda and cfg.trainer.channels_last else torch.contiguous_format
         capability = torch.cuda.get_device_capability(dist.device) if cuda else None
         self.bf16, self.amp_note = distributed.bf16_autocast(cfg.trainer.amp, capability)
+        self.cpu_bf16 = not cuda and cfg.trainer.amp_cpu
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, non_blocking=True).float()
@@ -41,6 +42,8 @@ class OnDevice:
         return labels.to(self.device, non_blocking=True)
 
     def autocast(self) -> AbstractContextManager:
+        if self.cpu_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from wdsdist.data import CACHE_COUNTS
+from wdsdist.data import CACHE_COUNTS, LoaderConfig
 from wdsdist.train import distributed, faults
 from wdsdist.train.checkpoint import Checkpointer, Generation
 from wdsdist.train.distributed import Dist
@@ -77,6 +77,7 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         + again
         + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
     )
+    report.line(loader_line(run.feed.loader.config))
     if run.on_device.amp_note:
         report.line(run.on_device.amp_note)
     specs = [s.shards for s in cfg.data.sources] if cfg.data.sources is not None else [cfg.data.train_shards]
@@ -100,6 +101,14 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
             f"startup {fmt_time(time.perf_counter() - run.started)}; training from step {run.start} to {run.steps} "
             f"(the first batch comes once the loader's workers have started)"
         )
+
+
+def loader_line(cfg: LoaderConfig) -> str:
+    """The training loader's workers and why (workers=auto), and where it decodes."""
+    why = cfg.workers_why or "trainer.workers"
+    where = "on the GPU, in the training process" if cfg.decode == "gpu" else "on the CPU, in the workers"
+    workers = f"{cfg.workers} worker{'s' if cfg.workers != 1 else ''}"
+    return f"loader: {workers} per rank ({why}); JPEGs decoded {where} (loader.decode={cfg.decode})"
 
 
 def report_plan(run: Run) -> None:

@@ -98,6 +98,16 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
     )
 
 
+def check_decode(cfg: DictConfig, dist: Dist) -> None:
+    """loader.decode=gpu decodes on the GPU the model trains on: refused, in one line, for a run on the CPU."""
+    if cfg.loader.decode == "gpu" and dist.device.type != "cuda":
+        raise UserError(
+            f"loader.decode=gpu: this run trains on the CPU (trainer.device={cfg.trainer.device.value}: "
+            f"{'torch sees no CUDA GPU here' if not torch.cuda.is_available() else 'asked for'}); "
+            f"use loader.decode=cpu, the default"
+        )
+
+
 def shards_of(key: str, spec: str, loader_cfg: LoaderConfig) -> list[Shard]:
     """The shards a data key names; an error names the key (a spec matching nothing, missing
     shards in strict mode, a refused pipe: URL)."""
@@ -358,6 +368,7 @@ def train(cfg: DictConfig) -> dict:
     )
     try:
         on_all_ranks(lambda: check(cfg))
+        on_all_ranks(lambda: check_decode(cfg, dist))
         run = setup(cfg, dist, stop, watchdog)
         return finish(run, train_loop(run))
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, DistNetworkError) are these

@@ -241,9 +241,7 @@ class CropDecoder:
     def draw(self, width: int, height: int) -> tuple[dict, bool]:
         """The crop and the flip for an image of width x height, drawn as the v2 transforms draw
         them: the crop's ``make_params``, then the flip's one ``torch.rand(1) < p``."""
-        # Only the size matters to make_params: a zero-stride tensor of that shape costs nothing.
-        p = self.crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
-        return p, bool(torch.rand(1) < self.flip.p)
+        return draw_crop(self.crop, self.flip, width, height)
 
     def region_of(self, width: int, height: int, p: dict) -> tuple[int, int, int, int, int]:
         """(denom, x, y, w, h): the region of a ``width`` x ``height`` image that the crop ``p`` (from
@@ -275,6 +273,15 @@ class CropDecoder:
         """``draw`` then ``render``: the random draws stay those of the transform (and every later
         sample's with them), also where torchvision decodes the file."""
         return self.render(data, width, height, self.draw(width, height), whole)
+
+
+def draw_crop(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, width: int, height: int) -> tuple[dict, bool]:
+    """The crop and the flip for an image of width x height, drawn as the v2 transforms draw
+    them: the crop's ``make_params``, then the flip's one ``torch.rand(1) < p``. The one draw of
+    the region decode, of decode=gpu's workers (gpu.py) and, inside the transforms, of a whole decode."""
+    # Only the size matters to make_params: a zero-stride tensor of that shape costs nothing.
+    p = crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
+    return p, bool(torch.rand(1) < flip.p)
 
 
 def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom: int = 1, msg=None) -> torch.Tensor:

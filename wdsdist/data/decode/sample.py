@@ -20,6 +20,7 @@ from torchvision.transforms import v2
 
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.batch import RegionJob
+from wdsdist.data.decode.gpu import Drawn, gpu_takes
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.tar.tarread import Oversized
@@ -95,14 +96,20 @@ def decode_sample(
 
 
 def prepare_sample(
-    sample: dict, cfg: LoaderConfig, transform: v2.Transform, crop: CropDecoder | None = None
-) -> Callable[[], tuple[torch.Tensor, int]]:
+    sample: dict,
+    cfg: LoaderConfig,
+    transform: v2.Transform,
+    crop: CropDecoder | None = None,
+    draw: Callable[[int, int], tuple[dict, bool]] | None = None,
+) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
     """decode_sample in two steps. This one checks the sample and makes its random draws, so it
     runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns (a
     batch.RegionJob) makes the pixels, drawing nothing and sharing nothing, so threads may run
     several at once (the worker's first batch: warmstart.py), and the batch kernel takes many at
     once (batch.rendered). Other images are decoded here. Either step raises DataError naming
-    the shard and key."""
+    the shard and key. With ``draw`` (loader.decode=gpu), a JPEG that the GPU decoder takes comes
+    out undecoded, as a gpu.Drawn with the crop and flip ``draw`` made, where the CPU path makes
+    the same draws (decode/gpu.py)."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
@@ -144,10 +151,13 @@ def prepare_sample(
     width, height = size
     if width * height > cfg.max_pixels:
         raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
+    if draw is not None and CropDecoder.takes(data) and gpu_takes(data):
+        p, flip = draw(width, height)
+        return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
     if region:
         return RegionJob(crop, data, width, height, crop.draw(width, height), whole, value)
     return _ready(transform(whole()), value)
 
 
-def _ready(image: torch.Tensor, label: int) -> Callable[[], tuple[torch.Tensor, int]]:
+def _ready(image: torch.Tensor | Drawn, label: int) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
     return lambda: (image, label)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from wdsdist.data.decode.gpu import Drawn, pack
 from wdsdist.data.delivery.sharedbatches import SharedBatches, plain_copy, plain_stack
 from wdsdist.data.sources import cache
 
@@ -26,8 +27,9 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
     batch: dict[str, Any] = {"label": labels, "id": ids, "bad": bad, "skipped": skipped}
     # What the node cache did in this process since its previous batch (collate runs where the shards are read)
     batch["cache"] = cache.take_counts()
-    ref = shared.fill(worker, list(images)) if shared is not None else None
-    if ref is not None:
+    if any(isinstance(image, Drawn) for image in images):  # decode=gpu: bytes and draws (decode/gpu.py)
+        batch["jpeg"] = pack(images)
+    elif shared is not None and (ref := shared.fill(worker, list(images))) is not None:
         batch["shared"] = ref
     else:
         # default_collate stacks straight into shared memory inside a worker: the batch then

@@ -56,7 +56,9 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from wdsdist.data.decode import jpegcrop
+from wdsdist.data.cores import auto_workers
+from wdsdist.data.decode import gpu, jpegcrop
+from wdsdist.data.decode.gpu import BatchDecoder
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
@@ -126,13 +128,15 @@ class RankLoader:
         if restored.point is not None:
             self.tracker.load(restored.point, restored.batches)
         self.turn = restored.turn  # the worker whose batch comes next (the DataLoader's turn)
+        # decode=gpu: batches of bytes, decoded on the device (decode/gpu.py)
+        self.decoder = BatchDecoder(cfg.image_size, gpu.device()) if cfg.decode == "gpu" else None
         shared = None
-        if cfg.workers > 0 and cfg.reuse_buffers:
+        if cfg.workers > 0 and cfg.reuse_buffers and self.decoder is None:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
             # Region-decoded images come out H x W x C in memory: batches keep that layout.
             shared = SharedBatches(cfg.workers, cfg.prefetch + 1, shape, channels_last=cfg.train and cfg.decode_region)
         # loader.warm_start: the other workers wait until worker 0's first batch is here (warmstart.py)
-        warm = cfg.workers > 1 and cfg.warm_start and cfg.train and cfg.decode_region
+        warm = cfg.workers > 1 and cfg.warm_start and cfg.train and cfg.decode_region and self.decoder is None
         gate = multiprocessing.get_context().Event() if warm else None
         self.dataset = ShardStream(shards, rank, world, cfg, restored, shared, gate, transform, mix)
         self.loader = batch_stages(self.dataset, cfg, rank, shared, gate)
@@ -161,7 +165,7 @@ class RankLoader:
             for batch in self.loader:
                 self.tracker.update(batch["id"], batch.get("skipped"))
                 self.turn = (self.turn + 1) % nworkers
-                yield self._with_sources(batch)
+                yield self._finished(batch)
             return
         if self.tracker.batches >= self.epoch_batches:
             self.tracker, self.turn = ConsumedTracker(self.tracker.epoch + 1), 0
@@ -169,9 +173,15 @@ class RankLoader:
         for i, batch in enumerate(self.loader):
             self.tracker.update(batch["id"], batch.get("skipped"))
             self.turn = (self.turn + 1) % nworkers
-            yield self._with_sources(batch)
+            yield self._finished(batch)
             if i + 1 >= remaining:
                 break
+
+    def _finished(self, batch: dict) -> dict:
+        """A batch as the caller gets it: its images decoded on the device (decode=gpu), after
+        the tracker has counted every row it consumed, and its sources (several data sets)."""
+        batch = self._with_sources(batch)
+        return self.decoder(batch) if self.decoder is not None else batch
 
     def _with_sources(self, batch: dict) -> dict:
         """Several data sets: ``batch["source"]``, each sample's source (its index in the mix),
@@ -227,10 +237,17 @@ def ready_config(cfg: LoaderConfig, rank: int) -> LoaderConfig:
             if rank == 0:
                 log.info("%s; decoding whole JPEGs (slower)", lib)
             cfg = replace(cfg, decode_region=False)
+    check_decode(cfg)
     if cfg.cache_dir is not None:
         limit = cache.prepare(cfg.cache_dir, cfg.cache_limit)
         cfg = replace(cfg, cache_dir=None if limit is None else cfg.cache_dir, cache_limit=limit)
     return cfg
+
+
+def check_decode(cfg: LoaderConfig) -> None:
+    """decode=gpu where torch sees no CUDA GPU: UserError, one line, before any worker starts."""
+    if cfg.decode == "gpu":
+        gpu.device()
 
 
 def batch_stages(
@@ -247,7 +264,8 @@ def batch_stages(
         persistent_workers=nw > 0,
         prefetch_factor=cfg.prefetch if nw > 0 else None,
         # With shared buffers, the batches are copied into pinned memory as they are claimed.
-        pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch,
+        # decode=gpu: the batches hold bytes, which nvJPEG reads from any host memory.
+        pin_memory=cfg.pin_memory and shared is None and not cfg.rebatch and cfg.decode != "gpu",
         worker_init_fn=worker_init if nw > 0 else None,
         collate_fn=as_is,
     )
@@ -421,9 +439,18 @@ def make_eval_loader(
         dsrepeat=1,
         cross_shuffle=0,
         shuffle_buffer=0,
-        workers=min(cfg.workers, mine),
+        workers=min(eval_workers(cfg), mine),
+        decode="cpu",  # evaluation's resize and centre crop: on the CPU, in the workers
         reuse_buffers=False,  # passes are short and far apart: no shared memory held between them
     )
     # Epoch mode without a plan: each iter() is one whole pass, so no sample counts are needed
     # (and no shard is opened at startup to count them).
     return RankLoader(shards, rank, world, ecfg)
+
+
+def eval_workers(cfg: LoaderConfig) -> int:
+    """The workers of an evaluation pass: the training loader's, but where those were sized
+    for decode=gpu (workers="auto"), sized anew for decoding on the CPU."""
+    if cfg.workers_why is None or cfg.decode != "gpu":
+        return int(cfg.workers)
+    return auto_workers(gpu=True, gpu_decode=False, node_ranks=cfg.node_ranks)[0]

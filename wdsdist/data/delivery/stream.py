@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from wdsdist.data.decode.batch import rendered
-from wdsdist.data.decode.jpegcrop import crop_decoder
+from wdsdist.data.decode.jpegcrop import crop_decoder, draw_crop
 from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import batched, collate
 from wdsdist.data.delivery.sharedbatches import SharedBatches
@@ -376,13 +376,15 @@ class ShardStream(IterableDataset):
             self.resume = None
         transform = make_transform(cfg)
         crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
-        prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop)
+        # decode=gpu: JPEGs leave undecoded with their draws (decode/gpu.py)
+        draw = functools.partial(draw_crop, *transform.transforms) if cfg.decode == "gpu" else None
+        prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw)
         shared = self.shared if info else None
         if shared is not None:
             shared.restart(physical)
         collation = functools.partial(collate, shared=shared, worker=physical)
         # The worker's first batch only (a persistent worker's later epochs start as they are).
-        warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and not self.warmed else 0
+        warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and draw is None and not self.warmed else 0
         self.warmed = True
         warm = WarmStart(self.gate, leader=physical == 0, rows=warm_rows, threads=threads_for(nworkers))
         if shared is not None:

@@ -1,0 +1,227 @@
+"""loader.decode=gpu without a GPU: the path's functions run on CPU tensors (decode/gpu.py's
+device() is pointed at the CPU), so its batches are checked against the default path's, sample
+for sample, skip for skip, pixel for pixel, and across a resume."""
+
+from __future__ import annotations
+
+import io
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+
+from tests.conftest import write_tiny_shards
+from tests.helpers.jpegs import encode
+from wdsdist.data import Loader, LoaderConfig, UserError
+from wdsdist.data.decode import gpu
+from wdsdist.data.decode.gpu import BatchDecoder, Drawn, gpu_takes, pack
+from wdsdist.data.sources.index import index_path, write_index
+
+# torch resizes uint8 with integer weights on AVX2 and AVX-512 machines, in floating point on
+# others: there the two paths' crops may differ by a grey level here and there.
+EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """decode=gpu's device is the CPU: the same functions, on CPU tensors."""
+    monkeypatch.setattr(gpu, "device", lambda: torch.device("cpu"))
+
+
+def noise_jpeg(width: int, height: int, seed: int) -> bytes:
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def decodes(data: bytes) -> bool:
+    try:
+        decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError:
+        return False
+    return True
+
+
+def damaged(data: bytes, seed: int) -> bytes:
+    """Bytes overwritten in the entropy-coded data, or the file cut short (ending, or not, as a JPEG does)."""
+    rng = random.Random(seed)
+    raw = bytearray(data)
+    if seed % 3 == 0:
+        cut = bytes(raw[: rng.randrange(200, len(raw) - 2)])
+        return cut + b"\xff\xd9" if seed % 2 else cut
+    for _ in range(1 + seed % 5):
+        raw[rng.randrange(400, len(raw) - 2)] = rng.randrange(256)
+    return bytes(raw)
+
+
+def mixed_shards(root: Path) -> str:
+    """Four shards of photo-like JPEGs and one of what the GPU decoder is not given or cannot
+    take: damaged JPEGs (those libjpeg-turbo decodes, or that the CPU path refuses in the worker),
+    a PNG, a CMYK, a greyscale and a progressive JPEG, a bad label."""
+    write_tiny_shards(root, [40, 40, 40, 40], size=72)
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (72, 60), (10, 200, 30, 5)).save(cmyk, format="JPEG")
+    png = io.BytesIO()
+    Image.new("RGB", (72, 60), (40, 90, 200)).save(png, format="PNG")
+    special = {7: ("jpg", cmyk.getvalue()), 9: ("png", png.getvalue()), 11: ("jpg", encode(80, 64, 3, mode="L"))}
+    special[13] = ("jpg", encode(96, 72, 4, progressive=True))
+    with wds.TarWriter(str(root / "tiny-000004.tar")) as w:
+        for i in range(40):
+            suffix, data = special.get(i, ("jpg", encode(90, 70, seed=i)))
+            if i % 5 == 1:
+                bad = damaged(data, i)
+                data = bad if decodes(bad) or not bad.endswith(b"\xff\xd9") else data
+            label = "x" if i == 17 else str(i % 10)
+            w.write({"__key__": f"b{i:04d}", suffix: data, "cls": label})
+    shards = [(str(p), 40) for p in sorted(root.glob("tiny-*.tar"))]
+    index = index_path(str(root), "tiny")
+    write_index(index, shards, name="tiny")
+    return index
+
+
+def batches(index: str, decode: str, n: int | None = None, state: dict | None = None, **kw) -> list[dict]:
+    options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "image_key": "jpg;png"}
+    cfg = LoaderConfig(**(options | kw), decode=decode)
+    loader = Loader(index, cfg, rank=0, world=1)
+    if state is not None:
+        loader.load_state_dict(state)
+    torch.manual_seed(0)  # the workers' seeds come from it
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if n is not None and len(out) == n:
+            out.append(loader.state_dict())
+            break
+    return out
+
+
+def assert_same_batches(cpu: list[dict], gpu_: list[dict]) -> None:
+    assert len(cpu) == len(gpu_)
+    for a, b in zip(cpu, gpu_, strict=True):
+        for name in ("id", "pos", "label", "bad"):
+            assert torch.equal(a[name], b[name]), name
+        assert b["image"].dtype == torch.uint8 and b["image"].shape == a["image"].shape
+        assert b["image"].is_contiguous(memory_format=torch.channels_last)
+        diff = (a["image"].int() - b["image"].int()).abs().flatten().float()
+        assert torch.quantile(diff, 0.999) <= 2
+        assert torch.equal(a["image"], b["image"]) or not EXACT
+
+
+def test_gpu_takes_8_bit_huffman_jpegs_of_1_or_3_components_only():
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (30, 20), (1, 2, 3, 4)).save(cmyk, format="JPEG")
+    assert gpu_takes(encode(90, 70, 1))
+    assert gpu_takes(encode(90, 70, 2, progressive=True))
+    assert gpu_takes(encode(90, 70, 3, mode="L"))
+    assert not gpu_takes(cmyk.getvalue())
+    arithmetic = bytearray(encode(90, 70, 1))
+    arithmetic[arithmetic.find(b"\xff\xc0") + 1] = 0xC9  # the same frame header, arithmetic-coded
+    assert not gpu_takes(bytes(arithmetic))
+    # Cut inside its headers, garbage, a length that walks off the end: never taken, never an error
+    data = encode(90, 70, 1)
+    assert not any(gpu_takes(data[:k]) for k in range(0, data.find(b"\xff\xc0") + 10))
+    assert not gpu_takes(b"\xff\xd8\xff\xe0\xff\xff" + bytes(20))
+    assert not gpu_takes(b"garbage")
+
+
+def test_the_gpu_paths_batches_equal_the_cpu_paths_bad_and_other_images_included(tmp_path, on_cpu):
+    index = mixed_shards(tmp_path / "s")
+    cpu = batches(index, "cpu")
+    gpu_ = batches(index, "gpu")
+    assert len(cpu) >= 23 and sum(int(b["bad"][:, 0].sum()) for b in cpu) >= 2  # damaged, bad label
+    assert_same_batches(cpu, gpu_)
+
+
+def test_the_gpu_paths_pixels_equal_the_cpu_paths_over_photos_and_noise(tmp_path, on_cpu):
+    root = tmp_path / "n"
+    root.mkdir()
+    for k in range(2):
+        with wds.TarWriter(str(root / f"tiny-{k:06d}.tar")) as w:
+            for i in range(24):
+                sizes = [(500, 375), (333, 500), (150, 90), (64, 48)]
+                w_, h = sizes[i % 4]
+                data = noise_jpeg(w_, h, 100 * k + i) if i % 2 else encode(w_, h, seed=100 * k + i)
+                w.write({"__key__": f"n{k}{i:04d}", "jpg": data, "cls": str(i % 10)})
+    index = index_path(str(root), "tiny")
+    write_index(index, [(str(p), 24) for p in sorted(root.glob("*.tar"))], name="tiny")
+    assert_same_batches(batches(index, "cpu", image_size=224), batches(index, "gpu", image_size=224))
+
+
+def test_a_run_on_the_gpu_path_resumes_exactly_and_as_the_cpu_path_does(tmp_path, on_cpu):
+    index = mixed_shards(tmp_path / "s")
+    whole = batches(index, "gpu")
+    first = batches(index, "gpu", n=7)
+    state = first.pop()
+    cpu_first = batches(index, "cpu", n=7)
+    assert cpu_first.pop() == state  # the same position, whichever path made the batches
+    rest = batches(index, "gpu", state=state)
+    # Every sample once, in the same batches, across the resume (the draws of the resumed
+    # workers are new ones, on either path)
+    for a, b in zip(whole, first + rest, strict=True):
+        assert all(torch.equal(a[name], b[name]) for name in ("id", "pos", "label", "bad"))
+    assert_same_batches(batches(index, "cpu", state=state), rest)
+
+
+def test_a_jpeg_no_decoder_takes_is_left_out_of_its_batch_and_counted():
+    good = encode(90, 70, 1)
+    bad = bytearray(good)
+    bad[bad.find(b"\xff\xc0") + 12] = 3  # its first component's quantization table: none such
+    assert gpu_takes(bytes(bad)) and not decodes(bytes(bad))
+    png = torch.full((3, 16, 16), 7, dtype=torch.uint8)
+    rows = [Drawn(good, (0, 0, 70, 90, 0), "a"), Drawn(bytes(bad), (0, 0, 70, 90, 1), "b"), png]
+    rows.append(Drawn(good, (10, 5, 40, 50, 1), "d"))
+    batch = {
+        "jpeg": pack(rows),
+        "label": torch.tensor([0, 1, 2, 3]),
+        "id": torch.arange(12).view(4, 3),
+        "pos": torch.arange(4),
+        "bad": torch.tensor([[0, 0], [2, 0], [0, 1], [0, 0]]),
+        "key": ["a", "b", "c", "d"],
+    }
+    decoder = BatchDecoder(16, torch.device("cpu"))
+    out = decoder(batch)
+    assert out["label"].tolist() == [0, 2, 3] and out["key"] == ["a", "c", "d"]
+    assert out["id"].tolist() == [[0, 1, 2], [6, 7, 8], [9, 10, 11]]
+    # the row left out: one skipped sample more, with the two skipped before it, on the next row kept
+    assert out["bad"].tolist() == [[0, 0], [3, 1], [0, 0]]
+    assert torch.equal(out["image"][1], png)  # the worker's own decode, in its row
+    assert dict(decoder.counts) == {"gpu": 2, "cpu": 1, "failed": 1}
+
+
+def test_decode_gpu_without_cuda_stops_in_one_line(tmp_path):
+    index = write_tiny_shards(tmp_path / "s", [8])
+    code = (
+        "import torch; from wdsdist.data import Loader, LoaderConfig\n"
+        "torch.cuda.is_available = lambda: False\n"
+        f"Loader({str(index)!r}, LoaderConfig(batch_size=4, workers=0, decode='gpu'), rank=0, world=1)\n"
+    )
+    with pytest.raises(UserError, match=r"^loader\.decode=gpu: torch sees no CUDA GPU here .*use loader\.decode=cpu"):
+        exec(compile(code, "<test>", "exec"), {})
+    # The trainer's line: one error line and exit 2, no traceback
+    done = subprocess.run(
+        [sys.executable, "train.py", "loader.decode=gpu", "trainer.steps=1", f"outputs={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: loader.decode=gpu: this run trains on the CPU (trainer.device=auto: torch sees no")
+    assert line.endswith("use loader.decode=cpu, the default")
+    assert "Traceback" not in done.stderr
+
+
+def test_options_decode_gpu_refuses_what_it_cannot_do():
+    with pytest.raises(UserError, match=r"^decode=tpu: cpu or gpu"):
+        LoaderConfig(batch_size=4, decode="tpu")
+    with pytest.raises(UserError, match=r"^decode=gpu: gpu does not apply with loader.cross_shuffle"):
+        LoaderConfig(batch_size=4, decode="gpu", cross_shuffle=10)
+    with pytest.raises(UserError, match=r"^decode=gpu: gpu applies to training batches"):
+        LoaderConfig(batch_size=4, decode="gpu", train=False)

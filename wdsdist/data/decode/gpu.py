@@ -1,0 +1,235 @@
+"""loader.decode=gpu: a batch's JPEGs decoded in the training process, on its GPU, by the draws
+its workers made.
+
+A worker does for a JPEG what it does on the CPU path up to the decode: it checks the sample,
+reads the image's size from its header and draws its crop and flip (the v2 transforms' own
+``make_params`` and ``torch.rand``, in the stream's order), so the random stream, the batch's
+samples, labels, skips and the resume state are those of decode=cpu. Instead of pixels it hands
+on a ``Drawn``: the bytes and the draws. ``pack`` puts a batch's ``Drawn`` bytes into one tensor
+(one shared-memory transfer to the main process). ``BatchDecoder`` then decodes the batch with
+torchvision's batched nvJPEG (``decode_jpeg`` of a list, on the device: the hardware JPEG engines
+where the GPU has them, no new dependency), and crops, resizes (bilinear, antialiased) and flips
+each image into one uint8 N x 3 x S x S channels_last tensor with torchvision's own functions,
+as the CPU path does. The same functions run on CPU tensors, which is how the suite tests the path
+without a GPU.
+
+What the GPU decoder is not given, the worker decodes as on the CPU path, one by one, counted:
+PNG, GIF, WebP, a JPEG cut short (no end-of-image marker), one of other than 1 or 3 components
+(CMYK, YCCK), arithmetic-coded, lossless or 12-bit. A JPEG nvJPEG refuses in the training process
+is decoded there on the CPU (torchvision's libjpeg-turbo, as the CPU path's whole decode); one
+that neither decodes is left out of its batch, counted as a skipped sample and named in a
+warning (the CPU path skips such a sample in the worker and fills its place with the next one;
+here the batch is made already, so it is one row shorter).
+
+Streams: torchvision's nvJPEG decode writes on a stream of its own, which is not ordered against
+the caller's (pytorch/vision#9606): memory the caller's stream has freed but still reads can be
+handed to the decoder's outputs and overwritten. So the batch is decoded and cropped on a side
+stream that holds nothing but this decoder's work and is drained before each decode; the
+training stream waits for the side stream's work through an event, and the batch's tensor is
+recorded on it. The training stream's own blocks never reach the side stream's allocations.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.transforms.v2 import functional as F
+
+from wdsdist.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Frame headers nvJPEG decodes: baseline, extended and progressive Huffman (SOF0, SOF1, SOF2).
+_GPU_FRAMES = {0xC0, 0xC1, 0xC2}
+_FRAMES = _GPU_FRAMES | {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_STANDALONE = {0x01, *range(0xD0, 0xD9)}  # markers without a length (TEM, RSTn, SOI)
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A JPEG and its drawn crop and flip, as a worker hands it on under decode=gpu."""
+
+    data: bytes
+    box: tuple[int, int, int, int, int]  # top, left, height, width, flip
+    where: str  # the shard and key, for a warning
+
+
+def gpu_takes(data: bytes) -> bool:
+    """A JPEG whose frame header nvJPEG decodes: 8-bit Huffman (baseline, extended or
+    progressive) with 1 or 3 components. The markers before the frame header are walked by
+    their lengths, never past the data."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return False
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte
+            i += 1
+            continue
+        if marker in _STANDALONE:
+            i += 2
+            continue
+        if marker in _FRAMES:
+            return marker in _GPU_FRAMES and i + 10 <= n and data[i + 4] == 8 and data[i + 9] in (1, 3)
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA or length < 2:  # scan data before any frame header, or a broken length
+            return False
+        i += 2 + length
+    return False
+
+
+def pack(images: Sequence) -> dict:
+    """A batch's rows as a worker hands them over: the ``Drawn`` rows' bytes in one uint8 tensor
+    with their lengths and draws, and the rows the worker decoded itself (``ready``) stacked."""
+    rows = [i for i, image in enumerate(images) if isinstance(image, Drawn)]
+    ready_rows = [i for i, image in enumerate(images) if not isinstance(image, Drawn)]
+    drawn = [images[i] for i in rows]
+    joined = bytearray().join(d.data for d in drawn)
+    return {
+        "data": torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8),
+        "lengths": [len(d.data) for d in drawn],
+        "boxes": [d.box for d in drawn],
+        "where": [d.where for d in drawn],
+        "rows": rows,
+        "ready_rows": ready_rows,
+        "ready": torch.stack([images[i] for i in ready_rows]) if ready_rows else None,
+    }
+
+
+def device() -> torch.device:
+    """The GPU this process decodes on (torch's current CUDA device); UserError where there is none."""
+    if not torch.cuda.is_available():
+        raise UserError(
+            "loader.decode=gpu: torch sees no CUDA GPU here "
+            f"(torch {torch.__version__}); use loader.decode=cpu, the default"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class BatchDecoder:
+    """Makes the images of the batches that workers packed (``batch["jpeg"]``) on ``device``:
+    ``batch["image"]``, uint8 N x 3 x size x size, channels_last. ``counts``: images decoded on
+    the device, on the CPU (in a worker or here), and left out."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size, self.device = size, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, batch: dict) -> dict:
+        packed = batch.pop("jpeg", None)
+        if packed is None:  # every row made in its worker (no JPEG the GPU takes)
+            self.counts["cpu"] += len(batch["image"])
+            with self._side():
+                batch["image"] = batch["image"].to(self.device)
+            self._hand_over(batch["image"])
+            return batch
+        n = len(packed["rows"]) + len(packed["ready_rows"])
+        with self._side():
+            out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+            out = out.contiguous(memory_format=torch.channels_last)
+            failed = self._fill(out, packed)
+            if packed["ready_rows"]:
+                out[packed["ready_rows"]] = packed["ready"].to(self.device)
+        self._hand_over(out)
+        batch["image"] = out
+        self.counts["cpu"] += len(packed["ready_rows"])
+        if failed:
+            drop_rows(batch, failed)
+        return batch
+
+    @contextmanager
+    def _side(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.synchronize()  # nothing of ours in flight when nvJPEG writes (module docstring)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _hand_over(self, images: torch.Tensor) -> None:
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            images.record_stream(current)
+
+    def _fill(self, out: torch.Tensor, packed: dict) -> list[int]:
+        """Decode, crop, resize and flip each packed JPEG into its row of ``out``; the rows that
+        no decoder could make."""
+        datas = list(torch.split(packed["data"], packed["lengths"])) if packed["lengths"] else []
+        images = self._decode(datas)
+        failed = []
+        for data, image, box, where, row in zip(
+            datas, images, packed["boxes"], packed["where"], packed["rows"], strict=True
+        ):
+            if image is None:  # nvJPEG refused it: libjpeg-turbo on the CPU, as the CPU path's whole decode
+                image = _cpu_decode(data, where)
+                if image is None:
+                    failed.append(row)
+                    continue
+                self.counts["cpu"] += 1
+            else:
+                self.counts["gpu"] += 1
+            out[row] = crop_image(image, box, self.size).to(self.device)
+        self.counts["failed"] += len(failed)
+        return failed
+
+    def _decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Every JPEG decoded in one batched call; where that fails (one bad image fails the
+        whole call), each on its own, None for those the device's decoder refuses."""
+        if not datas:
+            return []
+        try:
+            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:
+            return [self._decode_one(data) for data in datas]
+
+    def _decode_one(self, data: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:
+            return None
+
+
+def crop_image(image: torch.Tensor, box: Sequence[int], size: int) -> torch.Tensor:
+    """The drawn crop of a decoded C x H x W image, resized to size x size and maybe flipped: what
+    the CPU path's RandomResizedCrop + RandomHorizontalFlip make of the same draws."""
+    top, left, height, width, flip = box
+    out = F.resized_crop(image, top, left, height, width, [size, size], antialias=True)
+    return F.horizontal_flip(out) if flip else out
+
+
+def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:
+    try:
+        return decode_image(data, mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as exc:
+        log.warning("%s: cannot decode image: %s; left out of its batch (decode=gpu)", where, exc)
+        return None
+
+
+def drop_rows(batch: dict, rows: list[int]) -> None:
+    """Leave ``rows`` out of a finished batch; each counts as a skipped sample, carried by the next
+    row kept (or the last one kept), as a worker's skips ride on its next row."""
+    n = len(batch["label"])
+    gone = set(rows)
+    keep = [i for i in range(n) if i not in gone]
+    bad = batch["bad"].clone()
+    for row in rows:
+        later = [i for i in keep if i > row]
+        target = later[0] if later else (keep[-1] if keep else None)
+        if target is not None:
+            bad[target] += bad[row]
+            bad[target, 0] += 1
+    batch["bad"] = bad[keep]
+    for name in ("image", "label", "id", "pos", "source"):
+        if name in batch:
+            batch[name] = batch[name][keep]
+    for name in ("key", "skipped"):
+        if isinstance(batch.get(name), list | tuple):
+            batch[name] = [batch[name][i] for i in keep]
