@@ -73,8 +73,6 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "prefetch": 4,
         "decode_region": False,
         "decode_downscale": True,
-        "decode_batch": True,
-        "decode_threads": 3,
         "warm_start": False,
         "read_late": False,
         "cache_dir": str(tmp_path / "cache"),

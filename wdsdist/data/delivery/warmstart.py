@@ -43,12 +43,6 @@ def threads_for(nworkers: int) -> int:
     return max(1, min(nworkers, cores()))
 
 
-def kernel_threads(asked: int, nworkers: int) -> int:
-    """The batch kernel's threads in each worker (loader.decode_threads): as asked, or for 0 the
-    worker's share of the cores, at least 1."""
-    return asked if asked > 0 else max(1, cores() // max(1, nworkers))
-
-
 class WarmStart:
     """Runs a worker's prepared samples (``(seq, sample, prepared)``, where prepared is the
     function prepare_sample returned, a DataError it raised, or a marker passed through) and
@@ -71,12 +65,6 @@ class WarmStart:
         process to open."""
         if self.rows_left:
             self.rows_left -= 1
-
-    def threads(self, usual: int) -> int:
-        """The threads the batch kernel runs its next batch on: ``usual``, or 0 while the leader
-        makes its first batch on its own threads (``run``), decoding each sample as it comes
-        rather than after the batch's last has been read."""
-        return 0 if self.rows_left else usual
 
     def wait(self) -> None:
         """A follower waits (once, ``wait_s`` at most) for the gate before its first decode."""
