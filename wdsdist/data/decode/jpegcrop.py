@@ -47,8 +47,8 @@ from torchvision.transforms.v2 import functional as F
 SOURCE = Path(__file__).with_name("jpegcrop.c")
 JPEG_MAGIC = b"\xff\xd8\xff"
 _MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
-SYMBOLS = ("jpegcrop_decode", "jpegcrop_batch")
-CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")  # setup.py builds it at pip install time with these too
+SYMBOLS = ("jpegcrop_decode",)
+CFLAGS = ("-O3", "-shared", "-fPIC")  # setup.py builds it at pip install time with these too
 _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
@@ -125,9 +125,6 @@ def _configured(lib: ctypes.CDLL) -> ctypes.CDLL:
     int_p = ctypes.POINTER(ctypes.c_int)
     lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
-    # n, bufs, lens, params, out_h, out_w, outs, threads, status, msgs
-    lib.jpegcrop_batch.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
-    lib.jpegcrop_batch.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p]
     return lib
 
 
