@@ -29,8 +29,7 @@ setup(
             "wdsdist.data.decode._jpegcrop",
             sources=[str(SOURCE)],
             libraries=["jpeg"],
-            extra_compile_args=["-O3", "-pthread", f'-DJPEGCROP_TAG="{TAG}"'],
-            extra_link_args=["-pthread"],
+            extra_compile_args=["-O3", f'-DJPEGCROP_TAG="{TAG}"'],
             optional=True,
         )
     ],

@@ -58,7 +58,6 @@ CONTENDERS = (
     "ours-samples",
     "ours-cross",
     "ours-whole",
-    "ours-kernel",
     "seed",
     "imagefolder",
     "limit",
@@ -76,7 +75,6 @@ LABELS = {
     "ours-samples": "(a*) ours, loader.split=samples",
     "ours-cross": "(a') ours + cross-worker shuffle 1000",
     "ours-whole": "(a'') ours, whole-image decode",
-    "ours-kernel": "(a3) ours + batch kernel (loader.decode_batch)",
     "seed": "(b) seed: WebDataset README pipeline",
     "imagefolder": "(c) torchvision ImageFolder + DataLoader",
     "limit": "(d) limit: W x single-core decode+crop+flip",
@@ -171,7 +169,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     import webdataset as wds
     from torchvision.datasets import ImageFolder
 
-    if name in ("ours", "ours-samples", "ours-cross", "ours-whole", "ours-kernel"):
+    if name in ("ours", "ours-samples", "ours-cross", "ours-whole"):
         from wdsdist.data.delivery.pipeline import make_loader
         from wdsdist.data.options import LoaderConfig
 
@@ -185,7 +183,6 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             cross_shuffle=1000 if name == "ours-cross" else 0,
             partial=False,
             decode_region=name != "ours-whole",
-            decode_batch=name == "ours-kernel",  # (a3): a batch's crops in one native call
             # (a*): the epoch's samples in equal spans per worker, starting and stopping mid-shard
             split="samples" if name == "ours-samples" else "shards",
         )

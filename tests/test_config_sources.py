@@ -73,8 +73,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "prefetch": 4,
         "decode_region": False,
         "decode_downscale": True,
-        "decode_batch": True,
-        "decode_threads": 3,
+        # decode=gpu is refused beside cross_shuffle and decode_downscale: it is handed over below
         "warm_start": False,
         "read_late": False,
         "cache_dir": str(tmp_path / "cache"),
@@ -82,7 +81,8 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "cache_ahead": 5,
         "mix": "stratified",
     }
-    assert sorted(changed) == sorted(names(SampleOptions)) and sorted(stream) == sorted(names(StreamOptions))
+    assert sorted(changed) == sorted(names(SampleOptions))
+    assert sorted(stream) == sorted(set(names(StreamOptions)) - {"decode"})
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]
     cfg = compose_config([*overrides, "trainer.batch_size=5", "trainer.workers=3", "data.synthetic=null"])
     config.check(cfg)
@@ -90,6 +90,9 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     got = {k: getattr(lcfg, k) for k in [*changed, *stream]}
     assert got == changed | stream | {"crop_scale": (0.5, 0.9), "cache_limit": 500 << 20}
     assert (lcfg.batch_size, lcfg.workers, lcfg.seed, lcfg.pin_memory, lcfg.train) == (5, 3, 42, False, True)
+    gpu = compose_config(["loader.decode=gpu", "trainer.workers=2", "data.synthetic=null"])
+    config.check(gpu)
+    assert loader_config(gpu, CPU, 0).decode == "gpu"
 
 
 def test_the_node_order_and_the_ranks_per_node_reach_the_loader():

@@ -1,5 +1,4 @@
-"""JPEGs for the region-decode and batch-kernel tests, the library they test, and a loader's
-first batches."""
+"""JPEGs for the region-decode tests, the library they test, and a loader's first batches."""
 
 from __future__ import annotations
 

@@ -144,14 +144,6 @@ class StreamOptions:
     decode_downscale: bool = False
     """Decode at 1/2, 1/4 or 1/8 of a JPEG's size where the crop stays >= image_size: faster for
     large images, not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)."""
-    decode_batch: bool = False
-    """Region-decoded JPEGs made a batch at a time by one native call that releases the GIL
-    (decode/batch.py), on ``decode_threads`` threads; false: one at a time, a few calls from
-    Python each. The same pixels. Off by default: not faster on the machines measured
-    (bench/results/2026-11-27-batch-kernel.md)."""
-    decode_threads: int = 0
-    """With decode_batch: threads per worker; 0: the worker's share of the cores this process may
-    run on, at least 1."""
     decode: str = "cpu"
     """Where training JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training
     process, on its GPU, by nvJPEG: the workers only read the bytes and draw the crops, so a GPU

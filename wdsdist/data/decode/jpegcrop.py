@@ -19,8 +19,7 @@ may cost accuracy: bench/results/2026-11-25-decode-downscale-accuracy.md).
 The C part is compiled at pip install time (setup.py), or else on first use, with the system's C
 compiler against the system's libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``), then into
 ``.build/`` (``WDSDIST_BUILD``). Without them ``load()`` says why and the loader decodes whole
-images as before. It also holds the batch kernel (batch.py): a batch's crops decoded, resized
-and flipped in one call.
+images as before.
 """
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ from torchvision.transforms.v2 import functional as F
 
 SOURCE = Path(__file__).with_name("jpegcrop.c")
 JPEG_MAGIC = b"\xff\xd8\xff"
-MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
-SYMBOLS = ("jpegcrop_decode", "jpegcrop_batch")
-CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")  # setup.py builds it at pip install time with these too
+_MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
+SYMBOLS = ("jpegcrop_decode",)
+CFLAGS = ("-O3", "-shared", "-fPIC")  # setup.py builds it at pip install time with these too
 _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
@@ -126,9 +125,6 @@ def _configured(lib: ctypes.CDLL) -> ctypes.CDLL:
     int_p = ctypes.POINTER(ctypes.c_int)
     lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
-    # n, bufs, lens, params, out_h, out_w, outs, threads, status, msgs (batch.py)
-    lib.jpegcrop_batch.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
-    lib.jpegcrop_batch.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p]
     return lib
 
 
@@ -215,7 +211,7 @@ class CropDecoder:
 
     def __init__(self, lib: ctypes.CDLL, crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, downscale: bool):
         self.lib, self.crop, self.flip, self.downscale = lib, crop, flip, downscale
-        self._msg = ctypes.create_string_buffer(MSG_LEN)
+        self._msg = ctypes.create_string_buffer(_MSG_LEN)
 
     @staticmethod
     def takes(data: bytes) -> bool:
@@ -293,7 +289,7 @@ def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom:
 
 def _call(lib: ctypes.CDLL, data: bytes, *args, msg=None) -> tuple[int, int]:
     """jpegcrop_decode; the image's (width, height), or JpegError with libjpeg's message."""
-    msg = msg if msg is not None else ctypes.create_string_buffer(MSG_LEN)
+    msg = msg if msg is not None else ctypes.create_string_buffer(_MSG_LEN)
     width, height = ctypes.c_int(), ctypes.c_int()
     if lib.jpegcrop_decode(data, len(data), ctypes.byref(width), ctypes.byref(height), *args, msg):
         raise JpegError(msg.value.decode(errors="replace"))

@@ -11,6 +11,7 @@ import contextlib
 import io
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,6 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from wdsdist.data.decode import jpegcrop
-from wdsdist.data.decode.batch import RegionJob
 from wdsdist.data.decode.gpu import Drawn, gpu_takes
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError
 from wdsdist.data.options import LoaderConfig
@@ -95,6 +95,23 @@ def decode_sample(
     return prepare_sample(sample, cfg, transform, crop)()
 
 
+@dataclass(frozen=True)
+class RegionJob:
+    """A JPEG whose crop and flip are drawn; calling it makes the pixels (CropDecoder.render:
+    jpegcrop's region decode, else torchvision's whole decode)."""
+
+    crop: CropDecoder
+    data: bytes
+    width: int
+    height: int
+    drawn: tuple[dict, bool]
+    whole: Callable[[], torch.Tensor]
+    label: int
+
+    def __call__(self) -> tuple[torch.Tensor, int]:
+        return self.crop.render(self.data, self.width, self.height, self.drawn, self.whole), self.label
+
+
 def prepare_sample(
     sample: dict,
     cfg: LoaderConfig,
@@ -104,12 +121,11 @@ def prepare_sample(
 ) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
     """decode_sample in two steps. This one checks the sample and makes its random draws, so it
     runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns (a
-    batch.RegionJob) makes the pixels, drawing nothing and sharing nothing, so threads may run
-    several at once (the worker's first batch: warmstart.py), and the batch kernel takes many at
-    once (batch.rendered). Other images are decoded here. Either step raises DataError naming
-    the shard and key. With ``draw`` (loader.decode=gpu), a JPEG that the GPU decoder takes comes
-    out undecoded, as a gpu.Drawn with the crop and flip ``draw`` made, where the CPU path makes
-    the same draws (decode/gpu.py)."""
+    RegionJob) makes the pixels, drawing nothing and sharing nothing, so threads may run several
+    at once (the worker's first batch: warmstart.py). Other images are decoded here. Either step
+    raises DataError naming the shard and key. With ``draw`` (loader.decode=gpu), a JPEG that the
+    GPU decoder takes comes out undecoded, as a gpu.Drawn with the crop and flip ``draw`` made,
+    where the CPU path makes the same draws (decode/gpu.py)."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:

@@ -43,7 +43,7 @@ def collate(rows: list[tuple], shared: SharedBatches | None = None, worker: int 
 def batched(rows: Iterable[tuple], size: int, collation: Callable[[list], Any], partial: bool) -> Iterator[Any]:
     """A worker's rows in batches of ``size``, each collated as soon as its last row has come
     (webdataset's ``batched`` waits for the first row of the next batch: one more decode before
-    every batch, and with the batch kernel a whole batch's); a short last one only if ``partial``."""
+    every batch); a short last one only if ``partial``."""
     batch: list = []
     for row in rows:
         batch.append(row)

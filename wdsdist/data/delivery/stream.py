@@ -28,13 +28,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wdsdist.data.decode.batch import rendered
 from wdsdist.data.decode.jpegcrop import crop_decoder, draw_crop
 from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import batched, collate
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stratified import quotas, stratified
-from wdsdist.data.delivery.warmstart import WarmStart, kernel_threads, threads_for
+from wdsdist.data.delivery.warmstart import WarmStart, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan import seeds
@@ -61,9 +60,6 @@ POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (
 # It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
 # resume replays (order.shuffled_offsets); it is never decoded, and counts as skipped.
 FAILED = "__failed__"
-# Images per batch-kernel call: 64 at a time held 60 MB more per worker than 16 (glibc's heap
-# grows with the window) and were no faster (bench/results/2026-11-27-batch-kernel.md).
-KERNEL_CHUNK = 16
 
 
 def _primed(rows: Iterator[T]) -> Iterator[T]:
@@ -389,9 +385,7 @@ class ShardStream(IterableDataset):
         warm = WarmStart(self.gate, leader=physical == 0, rows=warm_rows, threads=threads_for(nworkers))
         if shared is not None:
             warm.ahead(functools.partial(shared.populate, physical))  # the first batch's buffer, while it decodes
-        # The batch kernel's threads (0: no kernel, each image made on its own)
-        kernel = kernel_threads(cfg.decode_threads, nworkers) if crop is not None and cfg.decode_batch else 0
-        rows = self._rows(worker, nworkers, skips, prepare, runs, warm, kernel)
+        rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
         if info is not None:
             rows = _primed(rows)
         if self.mix is not None and cfg.mix == "stratified":
@@ -408,7 +402,6 @@ class ShardStream(IterableDataset):
         prepare: Callable,
         runs: dict,
         warm: WarmStart,
-        kernel: int = 0,
     ) -> Iterator[tuple]:
         """(image, label, id, skips before it, key, runs skipped before it) rows, epoch after epoch;
         the samples a resumed worker had delivered (``skips``, and ``runs``: epoch -> sorted runs
@@ -421,14 +414,14 @@ class ShardStream(IterableDataset):
         (passed over on resume), so one run per epoch covers them: a shard whose index claims
         millions of samples it does not hold costs a row three numbers, not millions."""
         try:
-            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm, kernel)
+            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm)
         finally:
             warm.done()  # a leader whose stream ended or failed first holds nobody
 
     # One long method: the per-sample loop of the hot path, with what it passes over
     # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _epochs(
-        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart, kernel: int
+        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart
     ) -> Iterator[tuple]:
         cfg = self.cfg
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
@@ -440,10 +433,7 @@ class ShardStream(IterableDataset):
             passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
-            items = _prepared(wanted, prepare)
-            if kernel:  # the region-decoded JPEGs a batch at a time, in one native call (decode/batch.py)
-                items = rendered(items, KERNEL_CHUNK, functools.partial(warm.threads, kernel), warm.wait)
-            for seq, sample, done in warm.run(items):
+            for seq, sample, done in warm.run(_prepared(wanted, prepare)):
                 seen += 1
                 if done is FAILED:  # its shard's failure is counted and warned about already
                     _skip(skipped, epoch, seq)

@@ -20,33 +20,19 @@ images are decoded by prepare_sample itself.
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from wdsdist.data.cores import cores
 from wdsdist.errors import DataError
 
 WAIT_S = 3.0  # the longest a follower waits for the leader's first batch
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def threads_for(nworkers: int) -> int:
     """The leader's threads: one per worker of the rank, at most one per core it may run on."""
     return max(1, min(nworkers, cores()))
-
-
-def kernel_threads(asked: int, nworkers: int) -> int:
-    """The batch kernel's threads in each worker (loader.decode_threads): as asked, or for 0 the
-    worker's share of the cores, at least 1."""
-    return asked if asked > 0 else max(1, cores() // max(1, nworkers))
 
 
 class WarmStart:
@@ -71,12 +57,6 @@ class WarmStart:
         process to open."""
         if self.rows_left:
             self.rows_left -= 1
-
-    def threads(self, usual: int) -> int:
-        """The threads the batch kernel runs its next batch on: ``usual``, or 0 while the leader
-        makes its first batch on its own threads (``run``), decoding each sample as it comes
-        rather than after the batch's last has been read."""
-        return 0 if self.rows_left else usual
 
     def wait(self) -> None:
         """A follower waits (once, ``wait_s`` at most) for the gate before its first decode."""
