@@ -23,9 +23,6 @@ from wdsdist.data.decode import gpu
 from wdsdist.data.decode.gpu import BatchDecoder, Drawn, gpu_takes, pack
 from wdsdist.data.sources.index import index_path, write_index
 
-# torch resizes uint8 with integer weights on AVX2 and AVX-512 machines, in floating point on
-# others: there the two paths' crops may differ by a grey level here and there.
-EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @pytest.fixture
@@ -110,8 +107,8 @@ def assert_same_batches(cpu: list[dict], gpu_: list[dict]) -> None:
         assert b["image"].dtype == torch.uint8 and b["image"].shape == a["image"].shape
         assert b["image"].is_contiguous(memory_format=torch.channels_last)
         diff = (a["image"].int() - b["image"].int()).abs().flatten().float()
-        assert torch.quantile(diff, 0.999) <= 2
-        assert torch.equal(a["image"], b["image"]) or not EXACT
+        # The GPU path resizes in floating point, the CPU path uint8 with integer weights
+        assert torch.quantile(diff, 0.999) <= 2 and diff.mean() < 0.25, (diff.max(), diff.mean())
 
 
 def test_gpu_takes_8_bit_huffman_jpegs_of_1_or_3_components_only():

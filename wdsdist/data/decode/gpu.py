@@ -8,10 +8,11 @@ samples, labels, skips and the resume state are those of decode=cpu. Instead of 
 on a ``Drawn``: the bytes and the draws. ``pack`` puts a batch's ``Drawn`` bytes into one tensor
 (one shared-memory transfer to the main process). ``BatchDecoder`` then decodes the batch with
 torchvision's batched nvJPEG (``decode_jpeg`` of a list, on the device: the hardware JPEG engines
-where the GPU has them, no new dependency), and crops, resizes (bilinear, antialiased) and flips
-each image into one uint8 N x 3 x S x S channels_last tensor with torchvision's own functions,
-as the CPU path does. The same functions run on CPU tensors, which is how the suite tests the path
-without a GPU.
+where the GPU has them, no new dependency), and crops, resizes (bilinear, antialiased, in floating
+point as torchvision does on a GPU) and flips each image into one uint8 N x 3 x S x S
+channels_last tensor. The CPU path resizes uint8 with integer weights: the pixels agree within a
+grey level. The same functions run on CPU tensors, which is how the suite tests the path without
+a GPU.
 
 What the GPU decoder is not given, the worker decodes as on the CPU path, one by one, counted:
 PNG, GIF, WebP, a JPEG cut short (no end-of-image marker), one of other than 1 or 3 components
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-from torchvision.transforms.v2 import functional as F
 
 from wdsdist.errors import UserError
 
@@ -164,7 +164,7 @@ class BatchDecoder:
         no decoder could make."""
         datas = list(torch.split(packed["data"], packed["lengths"])) if packed["lengths"] else []
         images = self._decode(datas)
-        failed = []
+        failed, flipped = [], []
         for data, image, box, where, row in zip(
             datas, images, packed["boxes"], packed["where"], packed["rows"], strict=True
         ):
@@ -176,7 +176,11 @@ class BatchDecoder:
                 self.counts["cpu"] += 1
             else:
                 self.counts["gpu"] += 1
-            out[row] = crop_image(image, box, self.size).to(self.device)
+            out[row] = resized_crop(image, box, self.size).to(self.device)
+            if box[4]:
+                flipped.append(row)
+        if flipped:  # one flip for all of them, not a kernel per image
+            out[flipped] = out[flipped].flip(-1)
         self.counts["failed"] += len(failed)
         return failed
 
@@ -197,12 +201,16 @@ class BatchDecoder:
             return None
 
 
-def crop_image(image: torch.Tensor, box: Sequence[int], size: int) -> torch.Tensor:
-    """The drawn crop of a decoded C x H x W image, resized to size x size and maybe flipped: what
-    the CPU path's RandomResizedCrop + RandomHorizontalFlip make of the same draws."""
-    top, left, height, width, flip = box
-    out = F.resized_crop(image, top, left, height, width, [size, size], antialias=True)
-    return F.horizontal_flip(out) if flip else out
+def resized_crop(image: torch.Tensor, box: Sequence[int], size: int) -> torch.Tensor:
+    """The drawn crop of a decoded uint8 C x H x W image, resized to size x size (bilinear,
+    antialiased), as float pixels rounded to whole grey levels: what the CPU path's
+    RandomResizedCrop makes of the same draw, within a grey level (it resizes uint8 with integer
+    weights). As torchvision resizes uint8 on a GPU, in four kernels and little Python: a batch
+    holds hundreds of images, and each kernel's launch costs the training process time."""
+    top, left, height, width = box[:4]
+    region = image[:, top : top + height, left : left + width].unsqueeze(0).float()
+    out = torch.nn.functional.interpolate(region, size=(size, size), mode="bilinear", antialias=True)
+    return out[0].round_()  # the triangle filter's weights are >= 0: no value leaves 0..255
 
 
 def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:
