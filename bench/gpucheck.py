@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""``./run gpu-check``: what one GPU node does with this project, measured in one go.
+
+    ./run gpu-kit                      # here, where pip reaches PyPI: the wheels and jpegcrop build
+    ./run gpu-check [--out DIR]        # on the GPU node, with gpu-kit/ brought along (no internet)
+    ./run gpu-check --cpu --out DIR    # the rehearsal: every step that needs no CUDA, small
+
+Five parts, each beside the same training step on random tensors already on the device ("pure
+compute": the trainer's own model, optimizer, autocast and memory format): (a) the default job;
+(b) a torchrun run resumed with trainer.resume=auto; (c) ResNet-50 and ResNet-18 at 224 px on
+ImageNet-size JPEGs through train.py, CPU decode against GPU decode; (d) the loader alone;
+(e) the pixels of GPU decode against CPU decode. A part that fails is reported with its error
+and the others still run; the JSON and the report are rewritten after each part, so a run cut
+short still leaves what it measured. Data and runs go to a temporary folder under /tmp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import gpucheck_loader  # noqa: E402  (bench/, beside this file)
+import gpucheck_report  # noqa: E402
+import gpucheck_train  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part does: sized to end within six minutes on 16 cores and an H100, or, for
+    the rehearsal, within a minute and a half on two cores."""
+
+    device: str
+    photos: int  # ImageNet-size JPEGs for (c) and (d)
+    photo_shards: int
+    pixel_images: int  # per set in (e)
+    synthetic_extra: tuple[str, ...]  # (a), (b): the synthetic set's size
+    default_extra: tuple[str, ...]  # (a): overrides beyond the run and data folders
+    steady_after: int  # (a): the steps before the steady rate is taken
+    resume_steps: int  # (b): N, then 2N
+    resume_extra: tuple[str, ...]
+    image_size: int  # (c), (d), (e)
+    batch: int
+    steps: int  # (c)
+    warmup: int  # (c): steps before the steady rate
+    log_every: int  # (c)
+    models: tuple[str, ...]
+    cpu_workers: str  # (c): trainer.workers for CPU decode
+    gpu_workers: tuple[int, ...]  # (c): trainer.workers for GPU decode
+    loader_workers: tuple[int, ...]  # (d): CPU decode
+    loader_seconds: float  # (d): the timed stretch of each
+    compute_steps: int
+    budget_s: float  # parts not begun by then are skipped; runs are cut at it
+
+
+GPU = Sizes(
+    device="cuda",
+    photos=4000,
+    photo_shards=32,
+    pixel_images=256,
+    synthetic_extra=(),
+    default_extra=(),
+    steady_after=20,
+    resume_steps=20,
+    resume_extra=("trainer.eval_every=0",),
+    image_size=224,
+    batch=256,
+    steps=60,
+    warmup=20,
+    log_every=10,
+    models=("resnet50", "resnet18"),
+    cpu_workers="auto",
+    gpu_workers=(1, 2),
+    loader_workers=(1, 2, 4, 8, 15),
+    loader_seconds=4.0,
+    compute_steps=30,
+    budget_s=340.0,
+)
+# The rehearsal: tiny sizes, the CPU, explicit worker numbers.
+CPU = Sizes(
+    device="cpu",
+    photos=96,
+    photo_shards=8,
+    pixel_images=32,
+    synthetic_extra=(
+        "data.synthetic.train_samples=256",
+        "data.synthetic.val_samples=64",
+        "data.synthetic.shard_samples=64",
+    ),
+    default_extra=(
+        "trainer.device=cpu",
+        "trainer.steps=12",
+        "trainer.batch_size=8",
+        "trainer.log_every=2",
+        "trainer.eval_every=0",
+        "trainer.ckpt_every=0",
+    ),
+    steady_after=4,
+    resume_steps=2,
+    resume_extra=("trainer.device=cpu", "trainer.batch_size=8", "trainer.log_every=1", "trainer.eval_every=0"),
+    image_size=32,
+    batch=4,
+    steps=6,
+    warmup=2,
+    log_every=2,
+    models=("resnet50", "resnet18"),
+    cpu_workers="1",
+    gpu_workers=(1, 2),
+    loader_workers=(1, 2),
+    loader_seconds=1.5,
+    compute_steps=3,
+    budget_s=600.0,
+)
+
+
+class Skipped(Exception):
+    """A part (or a row) that is not run here, and why."""
+
+
+@dataclass
+class Check:
+    """One gpu-check run: its sizes, folders, clock and results, saved after every part."""
+
+    sizes: Sizes
+    work: Path  # data and run folders (temporary)
+    out: Path
+    command: str
+    started: float = field(default_factory=time.perf_counter)
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+    results: dict = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> bool:
+        return self.sizes.device == "cpu"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def left(self) -> float:
+        """Seconds of the budget left."""
+        return self.sizes.budget_s - self.elapsed()
+
+    def say(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {text}", flush=True)
+
+    def path(self, suffix: str) -> Path:
+        return self.out / f"{self.date}-gpu-check{suffix}"
+
+    def save(self, chart: bool = False) -> None:
+        """The JSON and the report as they stand (and the chart, at a part's end)."""
+        self.results["seconds"] = round(self.elapsed(), 1)
+        self.path(".json").write_text(json.dumps(self.results, indent=1) + "\n")
+        self.path(".md").write_text(gpucheck_report.markdown(self.results, self.path(".png").name))
+        if chart:
+            gpucheck_report.chart(self.results, self.path(".png"), self.path(".md").name)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
+
+
+def run_part(check: Check, key: str, title: str, fn: Callable[[Check, dict], None]) -> None:
+    """A part in its own try: its rows as they come, its status, its error line and time."""
+    part = {"title": title, "status": "running", "rows": []}
+    check.results["parts"][key] = part
+    t0 = time.perf_counter()
+    check.say(f"({key}) {title}")
+    try:
+        if check.left() < 15:
+            raise Skipped(f"the time budget ({check.sizes.budget_s:.0f} s) is spent")
+        fn(check, part)
+        part["status"] = "ok"
+    except Skipped as exc:
+        part["status"], part["error"] = "skipped", str(exc)
+    except Exception as exc:  # a failed part is reported; the others still run
+        part["status"], part["error"] = "failed", one_line(exc)
+        traceback.print_exc(file=sys.stdout)
+    part["seconds"] = round(time.perf_counter() - t0, 1)
+    check.say(f"({key}) {part['status']} in {part['seconds']} s" + (f": {part['error']}" if "error" in part else ""))
+    check.save(chart=True)
+
+
+def prepare(check: Check, part: dict) -> None:
+    """The JPEG sets the loader parts read, written with every core."""
+    part["rows"] += gpucheck_loader.write_sets(check.work, check.sizes, check.say)
+
+
+PARTS = (
+    ("data", "the JPEG sets, as shards", prepare),
+    ("a", "the default job", gpucheck_train.default_job),
+    ("b", "a torchrun run resumed with trainer.resume=auto", gpucheck_train.resume),
+    ("c", "ImageNet-size JPEGs through train.py: CPU and GPU decode", gpucheck_train.imagenet_size),
+    ("d", "the loader alone", gpucheck_loader.loader_alone),
+    ("e", "pixels: GPU decode against CPU decode", gpucheck_loader.pixels),
+)
+
+
+def machine(sizes: Sizes) -> dict:
+    """What the report names the machine by."""
+    import torch
+    import torchvision
+
+    from wdsdist.data.decode import jpegcrop
+
+    lib = jpegcrop.load()
+    info = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "cpu": cpu_model(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "jpegcrop": lib if isinstance(lib, str) else f"loaded ({Path(lib._name).name})",
+        "device": sizes.device,
+    }
+    if sizes.device == "cuda":
+        from wdsdist.train.distributed import driver_version
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        nv = Path("/proc/driver/nvidia/version")
+        info["driver"] = driver_version(nv.read_text()) if nv.exists() else None
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="the rehearsal: small sizes, the CPU, no GPU decode")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the report goes (bench/results/)")
+    p.add_argument("--kit", default="gpu-kit", help="the kit's folder (./run reads it before this starts)")
+    p.add_argument("--keep", action="store_true", help="keep the data and run folders under /tmp")
+    p.add_argument(
+        "--only", nargs="+", choices=[k for k, _, _ in PARTS], help="these parts only (data is written first)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = CPU if args.cpu else GPU
+    if not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: gpu-check: torch sees no GPU here; --cpu rehearses it without one", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="wdsdist-gpu-check-"))
+    command = " ".join(["./run gpu-check", *(argv if argv is not None else sys.argv[1:])])
+    check = Check(sizes, work, out, command)
+    check.results = {"command": command, "date": check.date, "sizes": asdict(sizes), "parts": {}}
+    check.say(f"gpu-check ({'rehearsal on the CPU' if args.cpu else 'GPU'}): work in {work}, report in {out}")
+    try:
+        check.results["machine"] = machine(sizes)
+        check.say(f"machine: {json.dumps(check.results['machine'])}")
+        for key, title, fn in PARTS:
+            if args.only is None or key == "data" or key in args.only:
+                run_part(check, key, title, fn)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    check.save(chart=True)
+    failed = [k for k, p in check.results["parts"].items() if p["status"] == "failed"]
+    check.say(f"done: {check.path('.md')}" + (f"; failed parts: {', '.join(failed)}" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

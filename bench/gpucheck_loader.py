@@ -1,0 +1,213 @@
+"""gpu-check's data and loader parts: the JPEG sets as shards, (d) the loader alone, (e) the
+pixels of GPU decode against CPU decode.
+
+The photo-like set is bench.py's (``photo``: a colour field, texture and grain at 500x375,
+quality 90), so its rates compare with the loader reports'; the noise set is uniform noise, the
+hardest case for a decoder and the one where two decoders' rounding shows most.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import itertools
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NCLASSES = 10
+PIXEL_BATCH = 32
+
+
+def photo_sample(i: int) -> bytes:
+    from bench import photo  # bench/bench.py: the bench's photo-like JPEG
+
+    return photo(i)
+
+
+def noise_sample(i: int, w: int = 500, h: int = 375) -> bytes:
+    from PIL import Image
+
+    arr = np.random.default_rng((7, i)).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def write_set(folder: Path, prefix: str, make: Callable[[int], bytes], n: int, shards: int) -> dict:
+    """n JPEGs made on every core, written as shards with their index; a table row."""
+    from wdsdist.tools.shards import Sample, ShardSink
+
+    t0 = time.perf_counter()
+    total = 0
+    with (
+        multiprocessing.Pool(os.cpu_count()) as pool,
+        ShardSink(str(folder), prefix, math.ceil(n / shards), 1 << 30) as sink,
+    ):
+        for i, jpg in enumerate(pool.imap(make, range(n), chunksize=max(1, n // (8 * (os.cpu_count() or 1))))):
+            total += len(jpg)
+            sink.write(Sample(f"{prefix}{i:06d}", "jpg", jpg, i % NCLASSES, {}))
+        sink.commit()
+    return {
+        "set": prefix,
+        "images": n,
+        "shards": shards,
+        "mean_kb": total / n / 1e3,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def index_of(check: Any, prefix: str) -> str:
+    return str(check.work / prefix / f"{prefix}.index.json")
+
+
+def write_sets(work: Path, sizes: Any, say: Callable[[str], None]) -> list[dict]:
+    """The ImageNet-size set of (c) and (d), and the two small sets of (e)."""
+    rows = []
+    for prefix, make, n, shards in (
+        ("photos", photo_sample, sizes.photos, sizes.photo_shards),
+        ("pixels-photos", photo_sample, sizes.pixel_images, 2),
+        ("pixels-noise", noise_sample, sizes.pixel_images, 2),
+    ):
+        rows.append(write_set(work / prefix, prefix, make, n, shards))
+        say(f"  {n} JPEGs ({prefix}, {rows[-1]['mean_kb']:.0f} kB mean) in {rows[-1]['seconds']:.1f} s")
+    return rows
+
+
+# ---------------------------------------------------------------- (d) the loader alone
+
+
+def loader_rate(index: str, config: Any, seconds: float, cuda: bool) -> dict:
+    """Samples/s the Loader delivers, once the batches its workers made ahead are drained."""
+    import torch
+
+    from wdsdist.data import Loader
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    t_start = time.perf_counter()
+    loader = Loader(index, config, rank=0, world=1)
+    batches = iter(loader)
+    # At the start each worker has made its prefetch ahead while the others started: drained
+    # here, or the timed stretch would count batches made before it.
+    for _ in range(max(2, config.workers * (config.prefetch + 1))):
+        next(batches)
+    first = time.perf_counter() - t_start
+    sync()
+    t0, n, count = time.perf_counter(), 0, 0
+    while count < max(2, config.workers) or time.perf_counter() - t0 < seconds:
+        batch = next(batches)
+        n, count = n + len(batch["label"]), count + 1
+    sync()
+    elapsed = time.perf_counter() - t0
+    del batches, loader
+    gc.collect()
+    return {"samples_per_s": n / elapsed, "batches": count, "warmup_s": first, "status": "ok"}
+
+
+def loader_alone(check: Any, part: dict) -> None:
+    """(d): CPU decode by the number of workers, then GPU decode alone."""
+    from wdsdist.data import LoaderConfig
+
+    sizes, cuda = check.sizes, not check.cpu
+    index = index_of(check, "photos")
+    common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
+    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers] + [("gpu", 2)]
+    for decode, workers in runs:
+        row: dict = {"decode": decode, "workers": workers}
+        part["rows"].append(row)
+        if decode == "gpu" and not cuda:
+            row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
+            continue
+        try:
+            extra = {"decode": "gpu"} if decode == "gpu" else {}
+            row |= loader_rate(index, LoaderConfig(**common, **extra, workers=workers), sizes.loader_seconds, cuda)
+            check.say(f"  {decode} decode, {workers} workers: {row['samples_per_s']:.0f} samples/s")
+        except Exception as exc:  # a row that fails is reported; the others still run
+            row |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
+            check.say(f"  {decode} decode, {workers} workers: failed: {row['error']}")
+        check.save()
+
+
+# ---------------------------------------------------------------- (e) pixels
+
+
+def differences(a: Any, b: Any, hist: Any) -> None:
+    """Add the absolute differences of two uint8 image batches to a 256-bin histogram."""
+    import torch
+
+    diff = (a.cpu().to(torch.int16) - b.cpu().to(torch.int16)).abs().flatten()
+    hist += torch.bincount(diff, minlength=256)
+
+
+def summarize(hist: Any) -> dict:
+    """Exact share, p99.9, max and mean of the grey-level differences a histogram holds."""
+    counts = hist.double()
+    total = float(counts.sum())
+    cumulative = counts.cumsum(0) / total
+    nonzero = counts.nonzero()
+    return {
+        "values": int(total),
+        "exact_share": float(counts[0]) / total,
+        "p99_9": int((cumulative >= 0.999).nonzero()[0]),
+        "max": int(nonzero[-1]) if len(nonzero) else 0,
+        "mean": float((counts * counts.new_tensor(range(256))).sum()) / total,
+    }
+
+
+def compare(index: str, configs: tuple[Any, Any], images: int) -> dict:
+    """The same batches from two loaders (same seed, shards, workers): their keys and labels
+    must agree; their images' differences, value by value."""
+    import torch
+
+    from wdsdist.data import Loader
+
+    hist = torch.zeros(256, dtype=torch.int64)
+    same, seen = True, 0
+    streams, firsts = [], []
+    for c in configs:
+        # The DataLoader seeds its workers from torch's generator at the first batch: the same
+        # seed there, the same draws in both.
+        torch.manual_seed(0)
+        streams.append(iter(Loader(index, c, rank=0, world=1)))
+        firsts.append(next(streams[-1]))
+    pairs = itertools.chain([tuple(firsts)], zip(*streams, strict=True))
+    while seen < images:
+        a, b = next(pairs)
+        same = same and list(a["key"]) == list(b["key"]) and torch.equal(a["label"].cpu(), b["label"].cpu())
+        differences(a["image"], b["image"], hist)
+        seen += len(a["label"])
+    del streams, firsts, pairs
+    gc.collect()
+    return {"images": seen, "same_samples": same, **summarize(hist)}
+
+
+def pixels(check: Any, part: dict) -> None:
+    """(e): GPU decode against CPU decode, on the photo-like and the noise set. The rehearsal
+    compares region decode with whole decode on the CPU instead (the same pixels, by design),
+    which runs every step of the comparison."""
+    from wdsdist.data import LoaderConfig
+
+    sizes = check.sizes
+    common = {"batch_size": PIXEL_BATCH, "image_size": sizes.image_size, "num_classes": NCLASSES, "workers": 2}
+    common |= {"with_keys": True, "seed": 0}
+    if check.cpu:
+        pair = (LoaderConfig(**common), LoaderConfig(**common, decode_region=False))
+        part["compared"] = "rehearsal: CPU region decode against CPU whole decode (GPU decode needs CUDA)"
+    else:
+        pair = (LoaderConfig(**common), LoaderConfig(**common, decode="gpu"))
+        part["compared"] = "CPU decode (libjpeg-turbo, region) against GPU decode (nvJPEG), the same draws"
+    for prefix in ("pixels-photos", "pixels-noise"):
+        row = {"set": prefix.removeprefix("pixels-"), "status": "ok"}
+        part["rows"].append(row)
+        row |= compare(index_of(check, prefix), pair, sizes.pixel_images)
+        check.say(f"  {row['set']}: max {row['max']}, p99.9 {row['p99_9']}, exact {100 * row['exact_share']:.2f}%")
+        check.save()

@@ -1,0 +1,287 @@
+"""gpu-check's report: the dated markdown (a table per part and what the numbers settle) and its
+chart (samples/s per configuration beside pure compute), both from the results JSON alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
+def times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} x"
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def note(row: dict) -> str:
+    return "" if row.get("status", "ok") == "ok" else f"{row['status']}: {row.get('error') or ''}".replace("|", "/")
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def cores(row: dict) -> str:
+    return f"{num(row.get('cores_busy'), 1)} / {num(row.get('cores_busy_whole_run'), 1)}"
+
+
+def data_table(part: dict) -> list[str]:
+    rows = [
+        [r["set"], num(r["images"]), num(r["shards"]), f"{r['mean_kb']:.0f} kB", seconds(r["seconds"])]
+        for r in part["rows"]
+    ]
+    return table(["set", "images", "shards", "mean JPEG", "made and written in"], rows)
+
+
+def default_table(part: dict) -> list[str]:
+    after = part.get("steady_after", 0)
+    header = ["run", "model, image, batch", "wall", "samples/s (run)", f"steady samples/s (after step {after})"]
+    header += ["pure compute", "steady / pure", "data-wait (run / steady)", "val top-1", "cores busy (steady / run)"]
+    header += ["workers", "note"]
+    rows = [
+        [
+            f"`{r['run']}`",
+            f"{r.get('model')}, {r.get('image_size')} px, {r.get('batch')}",
+            seconds(r.get("wall_s")),
+            num(r.get("samples_per_s")),
+            num(r.get("steady_samples_per_s")),
+            num(r.get("pure_compute")),
+            times(r.get("of_pure")),
+            f"{pct(r.get('data_wait'))} / {pct(r.get('steady_data_wait'))}",
+            pct(r.get("val_top1")),
+            cores(r),
+            num(r.get("workers_used")),
+            note(r),
+        ]
+        for r in part["rows"]
+    ]
+    return table(header, rows)
+
+
+def resume_table(part: dict) -> list[str]:
+    rows = [
+        [f"`{r['run']}`", num(r.get("steps")), num(r.get("resumed_from_step")), seconds(r.get("wall_s")), note(r)]
+        for r in part["rows"]
+    ]
+    lines = table(["run", "ended at step", "resumed from step", "wall", "note"], rows)
+    return lines + ([f"\n{part['verdict']}."] if "verdict" in part else [])
+
+
+def imagenet_table(part: dict) -> list[str]:
+    after = part.get("steady_after", 0)
+    header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
+    header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "wall", "note"]
+    rows = [
+        [
+            r["model"],
+            r["decode"],
+            f"{r['workers']}"
+            + (f" ({r['workers_used']})" if r.get("workers_used") not in (None, r["workers"]) else ""),
+            num(r.get("steady_samples_per_s")),
+            num(r.get("pure_compute")),
+            times(r.get("of_pure")),
+            pct(r.get("steady_data_wait")),
+            cores(r),
+            seconds(r.get("wall_s")),
+            note(r),
+        ]
+        for r in part["rows"]
+    ]
+    return table(header, rows)
+
+
+def loader_table(part: dict) -> list[str]:
+    rows = [
+        [
+            r["decode"],
+            str(r["workers"]),
+            num(r.get("samples_per_s")),
+            num(r.get("batches")),
+            seconds(r.get("warmup_s")),
+            note(r),
+        ]
+        for r in part["rows"]
+    ]
+    return table(["decode", "workers", "samples/s", "batches timed", "start and drain", "note"], rows)
+
+
+def pixel_table(part: dict) -> list[str]:
+    rows = [
+        [
+            r["set"],
+            num(r.get("images")),
+            "yes" if r.get("same_samples") else "NO",
+            pct(r.get("exact_share")),
+            num(r.get("p99_9")),
+            num(r.get("max")),
+            num(r.get("mean"), 3),
+            note(r),
+        ]
+        for r in part["rows"]
+    ]
+    lines = [f"Compared: {part['compared']}; grey levels (0-255) per value.\n"] if "compared" in part else []
+    return lines + table(["set", "images", "same keys and labels", "equal", "p99.9", "max", "mean", "note"], rows)
+
+
+TABLES = {
+    "data": data_table,
+    "a": default_table,
+    "b": resume_table,
+    "c": imagenet_table,
+    "d": loader_table,
+    "e": pixel_table,
+}
+
+
+def machine_lines(m: dict) -> list[str]:
+    gpu = f"{m['gpu']} ({m['gpu_memory_gb']} GiB), driver {m['driver']}, CUDA {m['cuda']}" if "gpu" in m else "no GPU"
+    return [
+        f"- GPU: {gpu}",
+        f"- CPU: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable by this process), {m['memory_gb']} GiB",
+        f"- Python {m['python']}, torch {m['torch']}, torchvision {m['torchvision']}; jpegcrop: {m['jpegcrop']}",
+    ]
+
+
+def settled(results: dict) -> list[str]:
+    """One line per finding the numbers give, and the parts that did not run."""
+    parts, out = results.get("parts", {}), []
+    a = parts.get("a", {}).get("rows", [])
+    if a and a[0].get("steady_samples_per_s"):
+        r = a[0]
+        out.append(
+            f"- (a) The default job trains at {num(r['steady_samples_per_s'])} samples/s after step "
+            f"{parts['a'].get('steady_after')}, {times(r.get('of_pure'))} its pure compute "
+            f"({num(r.get('pure_compute'))}), data-wait {pct(r.get('steady_data_wait'))}; "
+            f"val top-1 {pct(r.get('val_top1'))}."
+        )
+    if "verdict" in parts.get("b", {}):
+        out.append(f"- (b) {parts['b']['verdict']}.")
+    for model in dict.fromkeys(r["model"] for r in parts.get("c", {}).get("rows", [])):
+        rows = [r for r in parts["c"]["rows"] if r["model"] == model and r.get("steady_samples_per_s")]
+        if rows:
+            each = "; ".join(
+                f"{r['decode']} decode x{r['workers']}: {num(r['steady_samples_per_s'])} "
+                f"({times(r.get('of_pure'))} pure)"
+                for r in rows
+            )
+            out.append(f"- (c) {model}: {each}.")
+    d = [r for r in parts.get("d", {}).get("rows", []) if r.get("samples_per_s")]
+    if d:
+        out.append(
+            "- (d) The loader alone: "
+            + "; ".join(f"{r['decode']} x{r['workers']} {num(r['samples_per_s'])}" for r in d)
+            + " samples/s."
+        )
+    for r in parts.get("e", {}).get("rows", []):
+        if r.get("status") == "ok":
+            out.append(
+                f"- (e) {r['set']}: the two decodes differ by at most {r['max']} grey levels (p99.9 {r['p99_9']}, "
+                f"{pct(r['exact_share'])} of values equal), same samples: {'yes' if r['same_samples'] else 'NO'}."
+            )
+    for key, part in parts.items():
+        if part.get("status") in ("failed", "skipped"):
+            out.append(f"- ({key}) {part['status']}: {part.get('error')}")
+    skipped = [
+        f"({key}) {' '.join(str(r[k]) for k in ('model', 'decode') if k in r)} x{r.get('workers')}"
+        for key, part in parts.items()
+        for r in part.get("rows", [])
+        if r.get("status") == "skipped"
+    ]
+    if skipped:
+        out.append(f"- Not run here: {', '.join(skipped)} (GPU decode needs CUDA).")
+    return out or ["- Nothing yet."]
+
+
+def markdown(results: dict, chart_name: str) -> str:
+    m = results.get("machine")
+    title = m.get("gpu", "the CPU (rehearsal)") if m else "?"
+    lines = [f"# gpu-check: {title} ({results['date']})", "", f"Command: `{results['command']}`", ""]
+    if m:
+        lines += ["Machine:", "", *machine_lines(m), ""]
+    lines += [
+        f"Took {results.get('seconds', 0):.0f} s in all.",
+        "",
+        f"![samples/s per configuration beside pure compute]({chart_name})",
+        "",
+    ]
+    lines += ["## What it settles", "", *settled(results), ""]
+    for key, part in results.get("parts", {}).items():
+        lines += [f"## ({key}) {part['title']}", ""]
+        lines.append(
+            f"Status: {part['status']}"
+            + (f" ({part['error']})" if part.get("error") else "")
+            + f"; {seconds(part.get('seconds'))}."
+        )
+        lines.append("")
+        if part.get("rows"):
+            lines += [*TABLES[key](part), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def bars(results: dict) -> list[tuple[str, float | None, float | None, str]]:
+    """(label, measured samples/s, pure compute, note) of each configuration the chart shows."""
+    parts, out = results.get("parts", {}), []
+    for r in parts.get("a", {}).get("rows", []):
+        out.append(("(a) default job", r.get("steady_samples_per_s"), r.get("pure_compute"), note(r)))
+    for r in parts.get("c", {}).get("rows", []):
+        out.append(
+            (
+                f"(c) {r['model']} {r['decode']} x{r['workers']}",
+                r.get("steady_samples_per_s"),
+                r.get("pure_compute"),
+                note(r),
+            )
+        )
+    for r in parts.get("d", {}).get("rows", []):
+        out.append((f"(d) loader {r['decode']} x{r['workers']}", r.get("samples_per_s"), None, note(r)))
+    return out
+
+
+def chart(results: dict, png: Path, md_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = bars(results)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.42 * max(1, len(shown))))
+    values = [v for _, m, p, _ in shown for v in (m, p) if v] or [1.0]
+    # From one loader worker to pure compute the rates span orders of magnitude: a log scale.
+    ax.set_xscale("log")
+    low = min(values) / 4
+    ax.set_xlim(low, max(values) * 3)
+    labelled: set[str] = set()
+
+    def once(name: str) -> str | None:  # each legend entry once
+        first = name not in labelled
+        labelled.add(name)
+        return name if first else None
+
+    for i, (_, measured, pure, why) in enumerate(shown):
+        if pure:
+            ax.barh(i + 0.2, pure, height=0.38, color="#c9d1d9", label=once("pure compute"))
+        if measured:
+            ax.barh(i - 0.2, measured, height=0.38, color="#1f6fb4", label=once("measured"))
+            ax.text(measured * 1.05, i - 0.2, f"{measured:,.0f}", va="center", fontsize=8)
+        else:
+            ax.text(low * 1.1, i - 0.2, (why or "no number")[:70], va="center", fontsize=7, color="#a33")
+    ax.set_yticks(range(len(shown)), [label for label, *_ in shown], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("samples/s, log scale (training: steady, after the warm-up steps)")
+    if labelled:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
+    m = results.get("machine", {})
+    ax.set_title(f"gpu-check {results['date']}: {m.get('gpu', 'CPU rehearsal')}", fontsize=10)
+    fig.suptitle(f"drawn from {md_name}", fontsize=8, color="#555555", x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=80, metadata={"Title": Path(md_name).stem, "Source": md_name})
+    plt.close(fig)

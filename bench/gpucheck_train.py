@@ -1,0 +1,317 @@
+"""gpu-check's training parts: (a) the default job, (b) a resumed torchrun run, (c) ImageNet-size
+JPEGs through train.py; each run's rates read from its own log, beside pure compute.
+
+Pure compute is the trainer's own step (``trainer.train_step``) on random uint8 images already on
+the device, with the model, optimizer and device conversion built by the trainer's builders from
+the same config train.py composes: what the run would reach if data cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# A metrics line of train.log: "step 40/300 loss ... 5123 samples/s data-wait 3% ..."
+WINDOW = re.compile(r"^step (\d+)(?:/\d+)? loss .*? (\d+(?:\.\d+)?) samples/s data-wait (\d+)%", re.MULTILINE)
+PLAN_WORKERS = re.compile(r"^plan: .* over \d+ ranks x (\d+) workers", re.MULTILINE)
+LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and why, where it decodes
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def windows(log: str) -> list[tuple[int, float, float]]:
+    """(step, samples/s, data-wait fraction) of each metrics line, in order."""
+    return [(int(s), float(r), int(w) / 100) for s, r, w in WINDOW.findall(log)]
+
+
+def steady(lines: list[tuple[int, float, float]], after: int, global_batch: int, start: int = 0) -> dict:
+    """The rate and data-wait over the windows that begin at or after step ``after``: the
+    samples of those windows over their summed time (each window's time is its samples over
+    its rate), the wait weighted by time."""
+    samples = seconds = waited = 0.0
+    prev = start
+    for step, rate, wait in lines:
+        if prev >= after and rate > 0:
+            n = (step - prev) * global_batch
+            samples, seconds, waited = samples + n, seconds + n / rate, waited + wait * n / rate
+        prev = step
+    if not seconds:
+        return {"steady_samples_per_s": None, "steady_data_wait": None}
+    return {"steady_samples_per_s": samples / seconds, "steady_data_wait": waited / seconds}
+
+
+def proc_stat() -> tuple[int, int, int]:
+    """(busy jiffies, all jiffies, CPUs) of the whole machine."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    values = [int(v) for v in lines[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values[:8]) - idle, sum(values[:8]), sum(1 for ln in lines if re.match(r"cpu\d", ln))
+
+
+class CpuWatch:
+    """The machine's busy cores while a run trains: /proc/stat sampled a few times a second,
+    with the moment each metrics line of the run's log appeared, so the busy cores of the
+    steady windows (after the warm-up) can be told from those of the whole run."""
+
+    def __init__(self, log: Path, period: float = 0.25):
+        self.log, self.period = log, period
+        self.samples: list[tuple[float, int, int]] = []  # (time, busy, all)
+        self.seen: dict[int, float] = {}  # step of a metrics line -> when it was first seen
+        self.cpus = proc_stat()[2]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        busy, total, _ = proc_stat()
+        now = time.perf_counter()
+        self.samples.append((now, busy, total))
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return
+        for step, _, _ in windows(text):
+            self.seen.setdefault(step, now)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.period)
+
+    def cores(self, t0: float, t1: float) -> float | None:
+        """Busy cores on average between t0 and t1 (the samples nearest inside)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return None
+        (_, b0, a0), (_, b1, a1) = inside[0], inside[-1]
+        return (b1 - b0) / (a1 - a0) * self.cpus
+
+    def busy(self, after: int) -> dict:
+        whole = self.cores(self.samples[0][0], self.samples[-1][0]) if self.samples else None
+        start = self.seen.get(after)
+        last = max(self.seen.values(), default=None)
+        calm = self.cores(start, last) if start is not None and last is not None else None
+        return {"cores_busy": calm, "cores_busy_whole_run": whole}
+
+
+def error_line(text: str) -> str:
+    """The line a failed run names its failure by: its last ``error:`` line, else its last."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    said = [ln for ln in lines if ln.lower().startswith("error") or "Error:" in ln]
+    return (said or lines or ["no output"])[-1][:400]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: bool = False) -> dict:
+    """Run train.py (under torchrun if asked) into WORK/runs/NAME and read what it says."""
+    run_dir = check.work / "runs" / name
+    args = [*overrides, f"outputs={check.work / 'outputs'}", f"run_dir={run_dir}"]
+    launch = ["-m", "wdsdist.train.launch", "--nproc_per_node=1", f"--master_port={free_port()}"] if torchrun else []
+    cmd = [sys.executable, *launch, "train.py", *args]
+    check.say(f"  {'torchrun' if torchrun else 'train.py'} {' '.join(overrides)}")
+    (check.work / "runs").mkdir(parents=True, exist_ok=True)
+    out_path = check.work / "runs" / f"{name}.out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    with open(out_path, "w") as out, CpuWatch(run_dir / "train.log") as watch:
+        try:
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=max(30.0, check.left())
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    wall = time.perf_counter() - t0
+    text = out_path.read_text(errors="replace")
+    log = (run_dir / "train.log").read_text(errors="replace") if (run_dir / "train.log").exists() else ""
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if rc == 0 and summary_path.exists() else None
+    result = {"run_dir": str(run_dir), "wall_s": wall, "summary": summary, "windows": windows(log), "log": log}
+    result |= watch.busy(after)
+    plan = PLAN_WORKERS.search(log)
+    result["workers_used"] = int(plan.group(1)) if plan else None
+    said = LOADER_LINE.search(log)
+    result["loader_line"] = said.group(0) if said else None
+    if rc != 0:
+        result["error"] = f"timed out after {wall:.0f} s" if rc is None else error_line(text)
+    done = f"failed: {result['error']}" if "error" in result else (result["loader_line"] or "done")
+    check.say(f"  {done} ({wall:.1f} s)")
+    return result
+
+
+def run_row(result: dict, after: int, global_batch: int) -> dict:
+    """A table row's measures of a train.py run."""
+    s = result["summary"] or {}
+    row = {"status": "failed" if "error" in result else "ok", "wall_s": result["wall_s"]}
+    if "error" in result:
+        row["error"] = result["error"]
+    row |= {"samples_per_s": s.get("samples_per_s"), "data_wait": s.get("data_wait"), "val_top1": s.get("val_top1")}
+    row |= steady(result["windows"], after, global_batch, start=s.get("resumed_from_step") or 0)
+    row |= {k: result[k] for k in ("cores_busy", "cores_busy_whole_run", "workers_used", "loader_line")}
+    return row
+
+
+# ---------------------------------------------------------------- pure compute
+
+
+def composed(overrides: list[str]) -> Any:
+    """The config train.py would run with these overrides (Hydra's compose on conf/)."""
+    from hydra import compose, initialize_config_dir
+
+    from wdsdist.train import config
+
+    config.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def pure_compute(overrides: list[str], device: str, steps: int) -> float:
+    """Samples/s of the trainer's own step on random images already on the device."""
+    import torch
+
+    from wdsdist.train.distributed import Dist
+    from wdsdist.train.evaluate import OnDevice
+    from wdsdist.train.model import build_optimizer, seeded_model
+    from wdsdist.train.trainer import train_step
+
+    cfg = composed(overrides)
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    dist = Dist(rank=0, world=1, local_rank=0, device=dev)
+    model = seeded_model(cfg, dist)
+    lr = cfg.optim.lr * cfg.trainer.batch_size / 256
+    run = SimpleNamespace(cfg=cfg, ddp_model=model, opt=build_optimizer(cfg, model, lr), on_device=OnDevice(cfg, dist))
+    run.lr_at = lambda step: lr
+    b, s = cfg.trainer.batch_size, cfg.data.image_size
+    # As the loader hands them over: uint8, channels_last.
+    images = torch.randint(0, 256, (b, 3, s, s), dtype=torch.uint8, device=dev)
+    batch = {"image": images.contiguous(memory_format=torch.channels_last)}
+    batch["label"] = torch.randint(0, cfg.data.num_classes, (b,), device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    model.train()
+    for step in range(max(2, steps // 3)):  # cudnn's autotuning and the allocator settle here
+        train_step(run, batch, step)
+    sync()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        train_step(run, batch, step)
+    sync()
+    rate = b * steps / (time.perf_counter() - t0)
+    del run, model, batch, images
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+def beside(row: dict, pure: float | None) -> dict:
+    row["pure_compute"] = pure
+    rate = row.get("steady_samples_per_s")
+    row["of_pure"] = rate / pure if rate and pure else None
+    return row
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def synthetic_data(check: Any) -> list[str]:
+    """The default data set, written under the work folder instead of data/."""
+    d = check.work / "synthetic"
+    return [
+        "data=synthetic",
+        f"data.train_shards={d}/synthetic-train.index.json",
+        f"data.val_shards={d}/synthetic-val.index.json",
+        *check.sizes.synthetic_extra,
+    ]
+
+
+def default_job(check: Any, part: dict) -> None:
+    """(a): train.py as it comes, its data and run folders under /tmp."""
+    sizes = check.sizes
+    overrides = [*synthetic_data(check), *sizes.default_extra]
+    result = train_py(check, "a-default", overrides, sizes.steady_after)
+    cfg = composed(overrides)
+    row = {"run": "train.py " + (" ".join(sizes.default_extra) or "(defaults)")}
+    row |= {"model": cfg.model.name, "image_size": cfg.data.image_size, "batch": cfg.trainer.batch_size}
+    row |= run_row(result, sizes.steady_after, cfg.trainer.batch_size)
+    part["steady_after"] = sizes.steady_after
+    part["rows"].append(row)
+    check.save()
+    beside(row, pure_compute(overrides, sizes.device, sizes.compute_steps))
+    if "error" in result:
+        raise RuntimeError(result["error"])
+
+
+def resume(check: Any, part: dict) -> None:
+    """(b): N steps under torchrun, then trainer.resume=auto to 2N in the same run folder."""
+    n = check.sizes.resume_steps
+    common = [*synthetic_data(check), *check.sizes.resume_extra]
+    for steps, extra in ((n, []), (2 * n, ["trainer.resume=auto"])):
+        result = train_py(check, "b-resume", [*common, *extra, f"trainer.steps={steps}"], 0, torchrun=True)
+        s = result["summary"] or {}
+        row = {"run": f"torchrun --nproc_per_node=1 train.py {' '.join(extra + [f'trainer.steps={steps}'])}"}
+        row |= {"status": "failed" if "error" in result else "ok", "wall_s": result["wall_s"]}
+        row |= {"steps": s.get("steps"), "resumed_from_step": s.get("resumed_from_step"), "error": result.get("error")}
+        part["rows"].append(row)
+        check.save()
+        if "error" in result:
+            raise RuntimeError(result["error"])
+    last = part["rows"][-1]
+    part["resumed"] = last["resumed_from_step"] == n and last["steps"] == 2 * n
+    part["verdict"] = (
+        f"resumed at step {last['resumed_from_step']} (expected {n}) and ended at step {last['steps']} "
+        f"(expected {2 * n}): {'as it should' if part['resumed'] else 'NOT as it should'}"
+    )
+
+
+def imagenet_size(check: Any, part: dict) -> None:
+    """(c): each model at the big image size, CPU decode at the trainer's worker default and GPU
+    decode with few workers, beside the model's pure compute."""
+    sizes = check.sizes
+    index = check.work / "photos" / "photos.index.json"
+    device = ["trainer.device=cpu"] if check.cpu else []
+    part["steady_after"] = sizes.warmup
+    for model in sizes.models:
+        common = ["data=shards", "data.num_classes=10", f"data.train_shards={index}", "data.val_shards=null"]
+        common += [f"model.name={model}", f"data.image_size={sizes.image_size}", f"trainer.batch_size={sizes.batch}"]
+        common += [f"trainer.steps={sizes.steps}", "trainer.ckpt_every=0", "trainer.eval_every=0"]
+        common += [f"trainer.log_every={sizes.log_every}", *device]
+        pure = pure_compute(common, sizes.device, sizes.compute_steps)
+        check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
+        configs = [("cpu", sizes.cpu_workers)] + [("gpu", str(w)) for w in sizes.gpu_workers]
+        for decode, workers in configs:
+            row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
+            part["rows"].append(row)
+            if decode == "gpu" and check.cpu:
+                row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
+                continue
+            extra = [f"trainer.workers={workers}"] + (["loader.decode=gpu"] if decode == "gpu" else [])
+            result = train_py(check, f"c-{model}-{decode}-{workers}", common + extra, sizes.warmup)
+            row |= run_row(result, sizes.warmup, sizes.batch)
+            beside(row, pure)
+            check.save()

@@ -1,0 +1,209 @@
+"""./run gpu-check and ./run gpu-kit without a GPU: the rehearsal (--cpu) runs every part that
+needs no CUDA and writes the report, chart and JSON; ./run picks the machine's own Python and the
+kit's wheels on a GPU node; the kit's and the report's pure logic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpukit, train_parts, report = load("gpukit"), load("gpucheck_train"), load("gpucheck_report")
+
+
+# ---------------------------------------------------------------- the rehearsal
+
+
+@pytest.mark.slow
+def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path):
+    from PIL import Image
+
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    # A fresh process (run_script's are forked from one that read TMPDIR already).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
+    cmd = [sys.executable, "bench/gpucheck.py", "--cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [md], [png], [js] = (sorted(out.glob(f"*-gpu-check.{ext}")) for ext in ("md", "png", "json"))
+    assert md.stem == png.stem == js.stem and md.name[:4].isdigit()
+    results = json.loads(js.read_text())
+    parts = results["parts"]
+    assert list(parts) == ["data", "a", "b", "c", "d", "e"]
+    assert {key: part["status"] for key, part in parts.items()} == dict.fromkeys(parts, "ok")
+
+    [a] = parts["a"]["rows"]
+    assert a["status"] == "ok" and a["steady_samples_per_s"] > 0 and a["pure_compute"] > 0 and a["val_top1"] is not None
+    assert parts["b"]["resumed"] is True and [r["steps"] for r in parts["b"]["rows"]] == [2, 4]
+    c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
+    assert sorted(c) == sorted(
+        (m, d, w) for m in ("resnet50", "resnet18") for d, w in [("cpu", "1"), ("gpu", "1"), ("gpu", "2")]
+    )
+    for (_, decode, _), row in c.items():
+        if decode == "cpu":
+            assert row["status"] == "ok" and row["steady_samples_per_s"] > 0 and row["workers_used"] == 1
+        else:
+            assert row["status"] == "skipped" and "CUDA" in row["error"]
+    d = [(r["decode"], r["workers"], r["status"]) for r in parts["d"]["rows"]]
+    assert d == [("cpu", 1, "ok"), ("cpu", 2, "ok"), ("gpu", 2, "skipped")]
+    # The rehearsal compares region decode with whole decode: the same samples, the same pixels.
+    e = {r["set"]: r for r in parts["e"]["rows"]}
+    assert sorted(e) == ["noise", "photos"]
+    assert all(r["same_samples"] and r["max"] == 0 and r["exact_share"] == 1.0 for r in e.values())
+
+    text = md.read_text()
+    for key in parts:
+        assert f"## ({key}) " in text
+    assert f"![samples/s per configuration beside pure compute]({png.name})" in text
+    assert "| resnet18 | gpu | 2 |" in text and "skipped: GPU decode needs CUDA" in text
+    assert Image.open(png).text.get("Source") == md.name
+    assert list(scratch.glob("wdsdist-gpu-check*")) == []  # its data and runs: a temporary folder, removed
+
+
+# ---------------------------------------------------------------- ./run gpu-check on a GPU node
+
+
+def wheel(folder: Path, name: str = "kitmod") -> Path:
+    """A pure-Python wheel holding one module, as pip download would bring it."""
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}.py", "VALUE = 42\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", f"{name}.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+    return path
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A copy of ./run with a stand-in bench/gpucheck.py that reports what it was started with,
+    and a python3 on PATH that imports torch (this environment's), as on a GPU node."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    shutil.copy2(ROOT / "run", repo / "run")
+    (repo / "bench" / "gpucheck.py").write_text(
+        "import json, os, sys\nimport kitmod\n"
+        "keys = ('PYTHONPATH', 'WDSDIST_BUILD', 'LD_LIBRARY_PATH')\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'kitmod': kitmod.VALUE, 'prefix': sys.prefix,"
+        " **{k: os.environ.get(k) for k in keys}}))\n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    return repo
+
+
+def run_node(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_LIBRARY_PATH", "WDSDIST_BUILD")}
+    env |= {"PATH": f"{repo.parent / 'bin'}:{os.environ['PATH']}", "WDSDIST_GPU_SITE": str(repo.parent / "site")}
+    return subprocess.run(["./run", "gpu-check", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_check_runs_on_the_machines_python_with_the_kit_and_makes_no_venv(node):
+    kit = node / "my-kit"
+    (kit / "build").mkdir(parents=True)
+    wheel(kit)
+    proc = run_node(node, "--kit", "my-kit", "--out", "x")
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["argv"] == ["--kit", "my-kit", "--out", "x"] and seen["kitmod"] == 42
+    assert seen["prefix"] == sys.prefix  # the python3 found on PATH, not an environment of ./run's
+    assert seen["PYTHONPATH"].split(":") == [str(node), str(node.parent / "site")]
+    assert seen["WDSDIST_BUILD"] == str(kit / "build") and seen["LD_LIBRARY_PATH"] == str(kit / "build")
+    assert not list(node.glob(".venv*"))
+
+
+def test_gpu_check_without_the_kit_says_how_to_make_it(node):
+    proc = run_node(node)
+    assert proc.returncode == 2
+    assert "no wheels in --kit gpu-kit (make it with ./run gpu-kit" in proc.stderr.strip().splitlines()[-1]
+
+
+# ---------------------------------------------------------------- the kit's and the report's logic
+
+
+def test_the_kit_takes_the_pins_of_requirements_txt_and_builds_antlr_from_its_sdist():
+    requirements = (ROOT / "requirements.txt").read_text()
+    pins = gpukit.pins(requirements)
+    wheels, sdist = gpukit.wanted(requirements, "4.9.3")
+    assert wheels == [f"{name}=={pins[name]}" for name in ("hydra-core", "omegaconf", "webdataset", "braceexpand")]
+    assert sdist == "antlr4-python3-runtime==4.9.3"
+    assert gpukit.pins("Hydra_Core == 1.3.8  # why\n-r other.txt\ntorch>=2\n") == {"hydra-core": "1.3.8"}
+    with pytest.raises(SystemExit, match="pins no version of webdataset, braceexpand"):
+        gpukit.wanted("hydra-core==1\nomegaconf==2\n", "4.9.3")
+
+
+def test_the_kit_finds_the_libjpeg_that_jpegcrop_links():
+    ldd = (
+        "\tlinux-vdso.so.1 (0x00007ffd)\n"
+        "\tlibjpeg.so.62 => /lib/x86_64-linux-gnu/libjpeg.so.62 (0x00007f12)\n"
+        "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f34)\n"
+    )
+    assert gpukit.libjpeg_in(ldd) == Path("/lib/x86_64-linux-gnu/libjpeg.so.62")
+    ldconfig = (
+        "\tlibjpeg.so.62 (libc6,x86-64) => /usr/lib/libjpeg.so.62\n\tlibjpeg.so (libc6,x86-64) => /usr/lib/libjpeg.so\n"
+    )
+    assert gpukit.libjpeg_in(ldconfig) == Path("/usr/lib/libjpeg.so.62")
+    assert gpukit.libjpeg_in("\tlibjpeg.so.62 => not found\n") is None
+
+
+LOG = """run dir /tmp/r: resnet18 on 1 x cuda, 60 steps of 256 per rank (global 256), lr 0.1, loader.mode=repeat
+plan: 32 shards, 4000 samples over 1 ranks x 15 workers; batches per rank per pass 15..16
+step 20/60 loss 2.3 acc 10.0% lr 0.1 1000 samples/s data-wait 50% eta 3s
+step 40/60 loss 2.3 acc 10.0% lr 0.1 2000 samples/s data-wait 10% eta 1s
+step 60/60 loss 2.3 acc 10.0% lr 0 4000 samples/s data-wait 0% eta 0s
+"""
+
+
+def test_the_steady_rate_is_the_windows_after_the_warm_up_samples_over_their_time():
+    lines = train_parts.windows(LOG)
+    assert lines == [(20, 1000.0, 0.5), (40, 2000.0, 0.1), (60, 4000.0, 0.0)]
+    assert train_parts.PLAN_WORKERS.search(LOG).group(1) == "15"
+    # After step 20: 2 windows of 20 x 256 samples, in 2.56 s and 1.28 s.
+    got = train_parts.steady(lines, 20, 256)
+    assert got["steady_samples_per_s"] == pytest.approx(2 * 5120 / 3.84)
+    assert got["steady_data_wait"] == pytest.approx(0.1 * 2.56 / 3.84)
+    # A run resumed at step 10 has its first window from there: 10 x 256 samples in 2.56 s.
+    assert train_parts.steady(lines, 10, 256, start=10)["steady_samples_per_s"] == pytest.approx(12800 / 6.4)
+    assert train_parts.steady(lines, 60, 256)["steady_samples_per_s"] is None
+
+
+def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
+    results = {
+        "command": "./run gpu-check",
+        "date": "2026-01-01",
+        "parts": {
+            "d": {
+                "title": "the loader alone",
+                "status": "ok",
+                "rows": [
+                    {"decode": "cpu", "workers": 1, "status": "ok", "samples_per_s": 450.0, "batches": 9},
+                    {"decode": "gpu", "workers": 2, "status": "failed", "error": "TypeError: no decode"},
+                ],
+            },
+            "e": {"title": "pixels", "status": "failed", "error": "RuntimeError: nvjpeg", "rows": []},
+        },
+    }
+    text = report.markdown(results, "c.png")
+    assert "| cpu | 1 | 450 | 9 |" in text and "| gpu | 2 | - | - | - | failed: TypeError: no decode |" in text
+    assert "Status: failed (RuntimeError: nvjpeg)" in text and "- (e) failed: RuntimeError: nvjpeg" in text
+    assert [label for label, *_ in report.bars(results)] == ["(d) loader cpu x1", "(d) loader gpu x2"]
