@@ -1,6 +1,6 @@
 """loader.decode=gpu without a GPU: the path's functions run on CPU tensors (decode/gpu.py's
 device() is pointed at the CPU), so its batches are checked against the default path's, sample
-for sample, skip for skip, pixel for pixel, and across a resume."""
+for sample, skip for skip, pixels within a grey level, and across a resume."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from wdsdist.data import Loader, LoaderConfig, UserError
 from wdsdist.data.decode import gpu
 from wdsdist.data.decode.gpu import BatchDecoder, Drawn, gpu_takes, pack
 from wdsdist.data.sources.index import index_path, write_index
-
 
 
 @pytest.fixture
