@@ -53,9 +53,7 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     assert a["status"] == "ok" and a["steady_samples_per_s"] > 0 and a["pure_compute"] > 0 and a["val_top1"] is not None
     assert parts["b"]["resumed"] is True and [r["steps"] for r in parts["b"]["rows"]] == [2, 4]
     c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
-    assert sorted(c) == sorted(
-        (m, d, w) for m in ("resnet50", "resnet18") for d, w in [("cpu", "1"), ("gpu", "1"), ("gpu", "2")]
-    )
+    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), ("gpu", "1"), ("gpu", "2")])
     for (_, decode, _), row in c.items():
         if decode == "cpu":
             assert row["status"] == "ok" and row["steady_samples_per_s"] > 0 and row["workers_used"] == 1
@@ -63,10 +61,11 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
             assert row["status"] == "skipped" and "CUDA" in row["error"]
     d = [(r["decode"], r["workers"], r["status"]) for r in parts["d"]["rows"]]
     assert d == [("cpu", 1, "ok"), ("cpu", 2, "ok"), ("gpu", 2, "skipped")]
-    # The rehearsal compares region decode with whole decode: the same samples, the same pixels.
+    # The rehearsal runs decode=gpu's functions on CPU tensors: the same samples, the pixels
+    # within the check's bound (the float resize against the CPU path's integer weights).
     e = {r["set"]: r for r in parts["e"]["rows"]}
     assert sorted(e) == ["noise", "photos"]
-    assert all(r["same_samples"] and r["max"] == 0 and r["exact_share"] == 1.0 for r in e.values())
+    assert all(r["same_samples"] and r["p99_9"] <= 2 and r["max"] <= 2 for r in e.values())
 
     text = md.read_text()
     for key in parts:
