@@ -18,9 +18,10 @@ from torchvision.io import ImageReadMode, decode_image
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.jpegs import encode
-from wdsdist.data import Loader, LoaderConfig, UserError
+from wdsdist.data import DataError, Loader, LoaderConfig, UserError
 from wdsdist.data.decode import gpu
 from wdsdist.data.decode.gpu import BatchDecoder, Drawn, gpu_takes, pack
+from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.sources.index import index_path, write_index
 
 
@@ -182,7 +183,9 @@ def test_a_jpeg_no_decoder_takes_is_left_out_of_its_batch_and_counted():
         "key": ["a", "b", "c", "d"],
     }
     decoder = BatchDecoder(16, torch.device("cpu"))
-    out = decoder(batch)
+    made = decoder.decode(batch)
+    assert made["failed"] == [1] and len(made["label"]) == 4  # the caller counts every row consumed first
+    out = decoder.hand_over(made)
     assert out["label"].tolist() == [0, 2, 3] and out["key"] == ["a", "c", "d"]
     assert out["id"].tolist() == [[0, 1, 2], [6, 7, 8], [9, 10, 11]]
     # the row left out: one skipped sample more, with the two skipped before it, on the next row kept
@@ -221,3 +224,49 @@ def test_options_decode_gpu_refuses_what_it_cannot_do():
         LoaderConfig(batch_size=4, decode="gpu", cross_shuffle=10)
     with pytest.raises(UserError, match=r"^decode=gpu: gpu applies to training batches"):
         LoaderConfig(batch_size=4, decode="gpu", train=False)
+
+
+def test_the_decode_thread_keeps_order_raises_in_order_and_stops_with_its_caller():
+    pulled = []
+
+    def source(n, fail_at=None):
+        for i in range(n):
+            if i == fail_at:
+                raise DataError(f"worker failed at {i}")
+            pulled.append(i)
+            yield {"i": i}
+
+    def decode(batch):
+        return batch | {"decoded": True}
+
+    assert [b["i"] for b in decoded_ahead(source(6), decode, lambda: None)] == list(range(6))
+    got = []
+    with pytest.raises(DataError, match="worker failed at 3"):
+        for batch in decoded_ahead(source(6, fail_at=3), decode, lambda: None):
+            got.append(batch["i"])
+    assert got == [0, 1, 2]
+    pulled.clear()
+    batches = decoded_ahead(source(100), decode, lambda: None)
+    assert next(batches)["decoded"]
+    batches.close()  # the caller stops: the thread ends, at most a batch or two ahead
+    assert len(pulled) <= 3
+    with pytest.raises(RuntimeError, match="in setup"):
+        next(decoded_ahead(source(3), decode, lambda: (_ for _ in ()).throw(RuntimeError("in setup"))))
+
+
+def test_epochs_cut_to_nbatches_read_on_the_gpu_path_as_on_the_cpu_path(tmp_path, on_cpu):
+    index = mixed_shards(tmp_path / "s")
+
+    def two_epochs(decode: str) -> list[dict]:
+        cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, mode="epoch", nbatches=3, decode=decode)
+        loader = Loader(index, cfg, rank=0, world=1)
+        torch.manual_seed(0)
+        return [batch for _ in range(2) for batch in loader]
+
+    cpu, gpu_ = two_epochs("cpu"), two_epochs("gpu")
+    assert len(cpu) == len(gpu_) == 6
+    assert_same_batches(cpu[:3], gpu_[:3])
+    # The next epoch's samples; its draws depend on how far the persistent workers had made
+    # batches ahead when the cut came, on either path
+    for a, b in zip(cpu, gpu_, strict=True):
+        assert all(torch.equal(a[name], b[name]) for name in ("id", "pos", "label", "bad"))

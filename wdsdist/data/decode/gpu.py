@@ -122,14 +122,21 @@ class BatchDecoder:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counts: collections.Counter[str] = collections.Counter()
 
-    def __call__(self, batch: dict) -> dict:
+    def setup(self) -> None:
+        """On the thread that decodes: the CUDA device is a thread's own."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def decode(self, batch: dict) -> dict:
+        """The batch's images made on the device, on the side stream (delivery/gpubatches.py runs
+        this on a thread of its own, a batch ahead): ``batch["image"]``, and ``batch["failed"]``,
+        the rows no decoder could make. ``hand_over`` then gives it to the caller's stream."""
         packed = batch.pop("jpeg", None)
         if packed is None:  # every row made in its worker (no JPEG the GPU takes)
             self.counts["cpu"] += len(batch["image"])
             with self._side():
                 batch["image"] = batch["image"].to(self.device)
-            self._hand_over(batch["image"])
-            return batch
+            return self._done(batch, [])
         n = len(packed["rows"]) + len(packed["ready_rows"])
         with self._side():
             out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
@@ -137,9 +144,27 @@ class BatchDecoder:
             failed = self._fill(out, packed)
             if packed["ready_rows"]:
                 out[packed["ready_rows"]] = packed["ready"].to(self.device)
-        self._hand_over(out)
         batch["image"] = out
         self.counts["cpu"] += len(packed["ready_rows"])
+        return self._done(batch, failed)
+
+    def _done(self, batch: dict, failed: list[int]) -> dict:
+        batch["failed"] = failed
+        if self.stream is not None:
+            batch["made"] = torch.cuda.Event()
+            batch["made"].record(self.stream)
+        return batch
+
+    def hand_over(self, batch: dict) -> dict:
+        """A decoded batch as the caller gets it, on the caller's thread: its stream waits for the
+        images to be made and holds their memory until it is done with them; the rows no decoder
+        could make are left out (after the caller has counted them consumed)."""
+        made = batch.pop("made", None)
+        if made is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(made)
+            batch["image"].record_stream(current)
+        failed = batch.pop("failed", [])
         if failed:
             drop_rows(batch, failed)
         return batch
@@ -152,12 +177,6 @@ class BatchDecoder:
         self.stream.synchronize()  # nothing of ours in flight when nvJPEG writes (module docstring)
         with torch.cuda.stream(self.stream):
             yield
-
-    def _hand_over(self, images: torch.Tensor) -> None:
-        if self.stream is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
-            images.record_stream(current)
 
     def _fill(self, out: torch.Tensor, packed: dict) -> list[int]:
         """Decode, crop, resize and flip each packed JPEG into its row of ``out``; the rows that

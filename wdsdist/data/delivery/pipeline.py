@@ -47,6 +47,7 @@ bench/results/2026-11-24-peers.md).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +61,7 @@ from wdsdist.data.cores import auto_workers
 from wdsdist.data.decode import gpu, jpegcrop
 from wdsdist.data.decode.gpu import BatchDecoder
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
 from wdsdist.data.delivery.workers import worker_init
@@ -161,27 +163,47 @@ class RankLoader:
 
     def __iter__(self) -> Iterator[dict]:
         nworkers = max(self.cfg.workers, 1)
-        if self.epoch_batches is None:
-            for batch in self.loader:
+        batches = self._batches()
+        try:
+            if self.epoch_batches is None:
+                for batch in batches:
+                    self.tracker.update(batch["id"], batch.get("skipped"))
+                    self.turn = (self.turn + 1) % nworkers
+                    yield self._finished(batch)
+                return
+            if self.tracker.batches >= self.epoch_batches:
+                self.tracker, self.turn = ConsumedTracker(self.tracker.epoch + 1), 0
+            remaining = self.epoch_batches - self.tracker.batches
+            for i, batch in enumerate(batches):
                 self.tracker.update(batch["id"], batch.get("skipped"))
                 self.turn = (self.turn + 1) % nworkers
                 yield self._finished(batch)
-            return
-        if self.tracker.batches >= self.epoch_batches:
-            self.tracker, self.turn = ConsumedTracker(self.tracker.epoch + 1), 0
-        remaining = self.epoch_batches - self.tracker.batches
-        for i, batch in enumerate(self.loader):
-            self.tracker.update(batch["id"], batch.get("skipped"))
-            self.turn = (self.turn + 1) % nworkers
-            yield self._finished(batch)
-            if i + 1 >= remaining:
-                break
+                if i + 1 >= remaining:
+                    break
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # decode=gpu: its thread stops before another iteration begins
+                close()
+
+    def _batches(self) -> Iterator[dict]:
+        """The workers' batches; under decode=gpu with their images made on the device by a
+        thread, a batch ahead (gpubatches.py)."""
+        batches = iter(self.loader)
+        if self.decoder is None:
+            return batches
+        # The first batch is taken here: the workers start on this thread, and the kernel ends
+        # them with the thread that started them (workers.worker_init), not with the decoder's.
+        first = next(batches, None)
+        if first is None:
+            return iter(())
+        return decoded_ahead(itertools.chain([first], batches), self.decoder.decode, self.decoder.setup)
 
     def _finished(self, batch: dict) -> dict:
-        """A batch as the caller gets it: its images decoded on the device (decode=gpu), after
-        the tracker has counted every row it consumed, and its sources (several data sets)."""
+        """A batch as the caller gets it, once the tracker has counted every row it consumed:
+        its sources (several data sets), and under decode=gpu its images handed over to the
+        caller's stream, less the rows no decoder could make."""
         batch = self._with_sources(batch)
-        return self.decoder(batch) if self.decoder is not None else batch
+        return self.decoder.hand_over(batch) if self.decoder is not None else batch
 
     def _with_sources(self, batch: dict) -> dict:
         """Several data sets: ``batch["source"]``, each sample's source (its index in the mix),
