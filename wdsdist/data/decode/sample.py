@@ -153,26 +153,32 @@ def prepare_sample(
             raise DataError(f"{where}: cannot decode image: {exc}") from None
 
     region = crop is not None and crop.takes(data)
-    size = None
-    if region:
-        with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
-            size = crop.size(data)
-    try:
-        # The header alone gives the size: refuse a decompression bomb before allocating it.
-        if size is None:
-            with Image.open(io.BytesIO(data), formats=("JPEG",)) as header:
-                size = header.size
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise DataError(f"{where}: cannot decode image: {exc}") from None
-    width, height = size
-    if width * height > cfg.max_pixels:
-        raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={cfg.max_pixels}")
+    width, height = _jpeg_size(data, where, crop if region else None, cfg.max_pixels)
     if draw is not None and CropDecoder.takes(data) and gpu_takes(data):
         p, flip = draw(width, height)
         return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
     if region:
         return RegionJob(crop, data, width, height, crop.draw(width, height), whole, value)
     return _ready(transform(whole()), value)
+
+
+def _jpeg_size(data: bytes, where: str, crop: CropDecoder | None, max_pixels: int) -> tuple[int, int]:
+    """A JPEG's (width, height) from its header (libjpeg's through ``crop``, else PIL's): a
+    decompression bomb is refused before anything is allocated. DataError naming the sample."""
+    size = None
+    if crop is not None:
+        with contextlib.suppress(JpegError):  # torchvision then decodes it, or says what is wrong
+            size = crop.size(data)
+    try:
+        if size is None:
+            with Image.open(io.BytesIO(data), formats=("JPEG",)) as header:
+                size = header.size
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    width, height = size
+    if width * height > max_pixels:
+        raise DataError(f"{where}: image of {width}x{height} pixels exceeds max_pixels={max_pixels}")
+    return width, height
 
 
 def _ready(image: torch.Tensor | Drawn, label: int) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
