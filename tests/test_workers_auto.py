@@ -15,8 +15,9 @@ from tests.conftest import ROOT
 from tests.helpers.config import compose_config
 from wdsdist.data import LoaderConfig, UserError
 from wdsdist.data import cores as cores_module
-from wdsdist.data.cores import auto_workers, parse_workers
+from wdsdist.data.cores import auto_workers
 from wdsdist.data.delivery.pipeline import eval_workers
+from wdsdist.data.options import parse_workers
 from wdsdist.train.config import check
 from wdsdist.train.run import loader_line
 

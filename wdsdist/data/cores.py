@@ -54,19 +54,3 @@ def auto_workers(*, gpu: bool, gpu_decode: bool, node_ranks: int = 1) -> tuple[i
         workers = max(1, share // 2)
         why = f"{mine}, half of them: the model trains on the CPU too"
     return workers, f"auto: {why}"
-
-
-def parse_workers(value: object) -> int | str:
-    """``workers`` as the loader takes it: "auto" or an int >= 0 (given as an int or its digits).
-    Raises ValueError saying what is wrong."""
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected an integer >= 0 or auto, got {value!r}")
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"expected an integer >= 0 or auto, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"must be >= 0 or auto, got {value}")
-    return number

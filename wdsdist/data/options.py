@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from wdsdist.data.cores import AUTO, auto_workers, parse_workers
+from wdsdist.data.cores import AUTO, auto_workers
 from wdsdist.data.sources import httpopen, opener
 from wdsdist.errors import UserError
 
@@ -267,14 +267,25 @@ def parse_nbatches(value: int | str | None) -> int | str | None:
     digits). Raises ValueError saying what is wrong."""
     if value is None or value == "auto":
         return value
+    return _count(value, 1)
+
+
+def parse_workers(value: Any) -> int | str:
+    """``workers`` as the loader takes it: "auto" (cores.auto_workers) or an int >= 0 (given as
+    an int or its digits). Raises ValueError saying what is wrong."""
+    return AUTO if value == AUTO else _count(value, 0)
+
+
+def _count(value: Any, least: int) -> int:
+    """An int >= ``least``, given as an int or its digits, where "auto" is the other choice."""
     try:
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError
         number = int(value)
     except ValueError:
         raise ValueError(f"expected an integer or auto, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"must be >= 1 or auto, got {value}")
+    if number < least:
+        raise ValueError(f"must be >= {least} or auto, got {value}")
     return number
 
 
