@@ -181,7 +181,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", help="shards to read (default: synthetic ones, written once under data/)")
     p.add_argument("--images", type=int, default=4000, help="synthetic images (default: %(default)s)")
@@ -196,8 +196,11 @@ def main() -> None:
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "lightning.json"), help="JSON output")
     p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)  # internal: one contender
     p.add_argument("--result-file", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     if args.contender is not None:
         result = run_raw(args) if args.contender == "raw" else run_lightning(args)
         Path(args.result_file).with_suffix(f".{result['rank']}.json").write_text(json.dumps(result))

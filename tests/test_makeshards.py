@@ -20,9 +20,9 @@ from wdsdist.tools.shards import (
     ShardSink,
     from_image_folder,
     from_synthetic,
-    image_folder_samples,
     write_shards,
 )
+from wdsdist.tools.sourcetree import image_folder_samples
 
 
 def read_all(index):

@@ -45,8 +45,16 @@ def size(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    # One declaration: its groups are --help's sections in order; split, the options would scatter.
+    # The argument groups are --help's sections, in the order they are added here; each group is
+    # declared by one function (no function over 60 lines), so a group's options stay together.
     p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _data_options(p)
+    _job_options(p)
+    _store_resize_show_options(p)
+    return p.parse_args(argv)
+
+
+def _data_options(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("the data (default: 10 synthetic shards of 100 samples, written once to --cache)")
     data.add_argument("--shards", metavar="SPEC", help="brace pattern, glob, URLs (joined by ::) or an index JSON")
     data.add_argument("--nshards", type=integer(1), help="describe a layout: this many shards (default: 10)")
@@ -76,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument(
         "--trust-index", action="store_true", help="let the index name absolute paths, '..', other servers"
     )
+
+
+def _job_options(p: argparse.ArgumentParser) -> None:
     job = p.add_argument_group("the job")
     job.add_argument("--size", type=integer(1), default=3, help="ranks (world size) (default: %(default)s)")
     job.add_argument("--nworkers", type=integer(0), default=3, help="DataLoader workers per rank (default: 3)")
@@ -105,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="--split samples: one order of all shards each epoch, or each node's own samples (default: %(default)s)",
     )
     job.add_argument("--node-ranks", type=integer(1), default=1, help="ranks per node, which share its cache (1)")
+
+
+def _store_resize_show_options(p: argparse.ArgumentParser) -> None:
     store = p.add_argument_group("what the store sends each node per epoch (with --shard-bytes)")
     store.add_argument("--shard-bytes", type=size, metavar="B", help="bytes per shard: 100MB, 64MiB or a number")
     store.add_argument("--cache-size", type=size, metavar="B", help="a node cache of whole shards, LRU: 200GB, ...")
@@ -122,7 +136,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     show.add_argument("--showopen", action="store_true", help="each shard open and close, as it happens (stderr)")
     show.add_argument("--plot", metavar="FILE.png", help="draw ranks x workers, shards and batches per rank")
     show.add_argument("--verbose", action="store_true", help="every rank, however many")
-    return p.parse_args(argv)
 
 
 def access(args: argparse.Namespace) -> simdist.Access:

@@ -45,8 +45,8 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-# init is one long function: it is the one place that reads torchrun's variables and
-# starts the process groups, and its steps must run in this order (set_device before NCCL's init).
+# init is the one place that reads torchrun's variables and starts the process groups; its
+# steps (in helpers, no function over 60 lines) must run in this order: set_device before NCCL's init.
 def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
     """Read RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (set by torchrun) and initialise the process group.
 
@@ -63,6 +63,14 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else 1
     else:
         rank, world, local_rank, local_world = 0, 1, 0, 1
+    dev = _device(device, local_rank)
+    if under_torchrun():
+        _start_groups(rank, world, dev, timeout_s)
+    return Dist(rank, world, local_rank, dev, local_world)
+
+
+def _device(device: str, local_rank: int) -> torch.device:
+    """The device this rank trains on, checked usable; for CUDA, set as torch's current device."""
     driver = _read_driver_text()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if (device == "cuda" or (device == "auto" and driver is not None)) and not torch.cuda.is_available():
@@ -85,33 +93,38 @@ def init(device: str = "auto", timeout_s: float = 1800.0) -> Dist:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if under_torchrun():
-        # Testing only: "cuda:gloo" gives the default group NCCL's device map on the CPU (gloo
-        # for CUDA tensors, nothing for CPU ones), so a CPU tensor sent through it fails as it
-        # would under NCCL (tests/test_train.py runs training so).
-        backend = os.environ.get("WDSDIST_TEST_BACKEND") or ("nccl" if use_cuda else "gloo")
-        # The job's store (MASTER_ADDR:MASTER_PORT) outlives worker restarts under torchrun
-        # (--max-restarts), and so do the addresses the last attempt's ranks left in it: each
-        # attempt's process group keeps its keys under its own prefix, or a restarted rank
-        # could dial a dead one's address.
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
-        _store[0] = store
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(_group_prefix(), store),
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=dev if use_cuda else None,
-        )
-        if backend != "gloo":
-            # NCCL moves CUDA tensors only: control values (stop flags, "I have a batch",
-            # pickled objects) and any other CPU tensor go over gloo, also with one rank, and
-            # agreeing on them never waits for the GPU's queue of work.
-            _control[0] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        # Where every rank runs, so a line about a lost peer can name its rank and node.
-        _peers[:] = all_gather_object((socket.gethostname(), _own_address()))
-    return Dist(rank, world, local_rank, dev, local_world)
+    return dev
+
+
+def _start_groups(rank: int, world: int, dev: torch.device, timeout_s: float) -> None:
+    """Start the default process group (nccl on CUDA, gloo on CPU) and, beside NCCL, a gloo group
+    for control values; learn where every rank runs."""
+    use_cuda = dev.type == "cuda"
+    # Testing only: "cuda:gloo" gives the default group NCCL's device map on the CPU (gloo
+    # for CUDA tensors, nothing for CPU ones), so a CPU tensor sent through it fails as it
+    # would under NCCL (tests/test_train.py runs training so).
+    backend = os.environ.get("WDSDIST_TEST_BACKEND") or ("nccl" if use_cuda else "gloo")
+    # The job's store (MASTER_ADDR:MASTER_PORT) outlives worker restarts under torchrun
+    # (--max-restarts), and so do the addresses the last attempt's ranks left in it: each
+    # attempt's process group keeps its keys under its own prefix, or a restarted rank
+    # could dial a dead one's address.
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
+    _store[0] = store
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(_group_prefix(), store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev if use_cuda else None,
+    )
+    if backend != "gloo":
+        # NCCL moves CUDA tensors only: control values (stop flags, "I have a batch",
+        # pickled objects) and any other CPU tensor go over gloo, also with one rank, and
+        # agreeing on them never waits for the GPU's queue of work.
+        _control[0] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # Where every rank runs, so a line about a lost peer can name its rank and node.
+    _peers[:] = all_gather_object((socket.gethostname(), _own_address()))
 
 
 def _group_prefix() -> str:

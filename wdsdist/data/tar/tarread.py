@@ -156,8 +156,78 @@ def skip_bytes(stream, n: int, seek_above: int = 1 << 16) -> None:
         n -= got
 
 
-# One long loop over headers, not split into helpers: it runs once per tar member on the loader's
-# hot path, where a function call per header shows in a profile.
+def _at_end(header: bytes, late: LateFile | None) -> None:
+    """At the end-of-archive marker, or a read of less than a block: raise unless the stream
+    ended cleanly there."""
+    if len(header) == BLOCK:  # the marker
+        return
+    if header:
+        raise tarfile.ReadError("unexpected end of data")
+    if late is not None and (now := os.fstat(late.fd).st_size) < late.size:
+        # Passing over late members by seeking, a file cut short meanwhile ends here
+        # rather than in a member's data: it fails as a cut file read at once does.
+        raise tarfile.ReadError(f"unexpected end of data: the file shrank to {now} bytes")
+
+
+def _header_size(header: bytes) -> int:
+    """A header's member size, checked; raises for an invalid header or a GNU sparse member."""
+    if not _valid(header):
+        raise tarfile.ReadError("invalid header")
+    size = _size(_number(header[124:136]), "member")
+    if header[156:157] == b"S":  # GNU sparse: its data needs the sparse map, which we do not read
+        raise tarfile.ReadError("GNU sparse members are not supported")
+    return size
+
+
+def _extended(stream, kind: bytes, size: int, limit: int | None, pos: int, long_name: str | None, pax: dict):
+    """Read an extended header's data (L: a long name, x: pax records, g: ignored), which begins
+    at ``pos``; return the position after its padding, and the long name and pax records for the
+    next member."""
+    _size(size, "extended header", limit)
+    meta = _read_exactly(stream, size)
+    padding = -size % BLOCK
+    skip_bytes(stream, padding)
+    if kind == b"L":
+        long_name = meta.rstrip(b"\0").decode("utf-8", "surrogateescape")
+    elif kind == b"x":
+        pax = _pax_records(meta)
+    return pos + size + padding, long_name, pax
+
+
+def _member_name(header: bytes, long_name: str | None, pax: dict, size: int) -> tuple[str, int]:
+    """A member's name and size, from the extended headers before it where they give them."""
+    name = long_name or pax.get("path")
+    if name is None:
+        name = _header_name(header)
+    return name, (_size(pax["size"], name) if "size" in pax else size)
+
+
+def _header_name(header: bytes) -> str:
+    name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if header[257:263] == b"ustar\0" and header[345] != 0:
+        prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        name = f"{prefix}/{name}"
+    return name
+
+
+def _pass_late(stream, late: LateFile, where: int, size: int, padding: int, ahead: int) -> int:
+    """Pass over a late member's data at byte ``where`` of the file; return how far the bytes
+    were asked for ahead."""
+    if where + size > late.size:
+        raise tarfile.ReadError("unexpected end of data")
+    skip_bytes(stream, size + padding, seek_above=0)
+    if where + size > ahead - AHEAD // 2 and ADVISE is not None:
+        # Passing over the data defeats the kernel's readahead: ask for the next
+        # bytes ourselves, so that headers and late reads find them in memory.
+        start = max(ahead, where)
+        with contextlib.suppress(OSError):  # a hint, which a file system may refuse
+            ADVISE(late.fd, start, AHEAD, os.POSIX_FADV_WILLNEED)
+        ahead = start + AHEAD
+    return ahead
+
+
+# The loop over headers runs once per tar member on the loader's hot path: the rare or bulky
+# steps are plain helper functions (a call per header at most), no generator layer per member.
 def _members(
     stream,
     head: bytes,
@@ -178,48 +248,20 @@ def _members(
     ``late``: the stream's file, whose first header lies at byte ``base``: a wanted member of
     ``LATE_MIN`` bytes or more comes as a Late, its data passed over unread."""
     header, long_name, pax = head, None, {}
-    pos = at = 0
-    ahead = base  # late: the bytes up to here were asked for ahead
+    pos, at, ahead = 0, 0, base  # ahead, for late: the bytes up to here were asked for ahead
     last, started = None, 0  # the last sample key seen, and how many samples have begun
     end = None if count is None else skip + count
     while True:
-        if len(header) < BLOCK:
-            if header:
-                raise tarfile.ReadError("unexpected end of data")
-            if late is not None and (now := os.fstat(late.fd).st_size) < late.size:
-                # Passing over late members by seeking, a file cut short meanwhile ends here
-                # rather than in a member's data: it fails as a cut file read at once does.
-                raise tarfile.ReadError(f"unexpected end of data: the file shrank to {now} bytes")
+        if len(header) < BLOCK or header.count(0) == BLOCK:  # the end, or the end-of-archive marker
+            _at_end(header, late)
             return
-        if header.count(0) == BLOCK:  # end-of-archive marker
-            return
-        if not _valid(header):
-            raise tarfile.ReadError("invalid header")
-        size = _size(_number(header[124:136]), "member")
-        kind = header[156:157]
-        padding = -size % BLOCK
+        size, kind = _header_size(header), header[156:157]
         pos += BLOCK
-        if kind == b"S":  # GNU sparse: its data needs the sparse map, which we do not read
-            raise tarfile.ReadError("GNU sparse members are not supported")
         if kind in (b"x", b"L", b"g"):
-            _size(size, "extended header", limit)
-            meta = _read_exactly(stream, size)
-            skip_bytes(stream, padding)
-            pos += size + padding
-            if kind == b"L":
-                long_name = meta.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            elif kind == b"x":
-                pax = _pax_records(meta)
+            pos, long_name, pax = _extended(stream, kind, size, limit, pos, long_name, pax)
         else:
-            name = long_name or pax.get("path")
-            if name is None:
-                name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                if header[257:263] == b"ustar\0" and header[345] != 0:
-                    prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                    name = f"{prefix}/{name}"
-            if "size" in pax:
-                size = _size(pax["size"], name)
-                padding = -size % BLOCK
+            name, size = _member_name(header, long_name, pax, size)
+            padding = -size % BLOCK
             long_name, pax = None, {}
             key, suffix = base_plus_ext(name) if kind in _REGULAR else (None, None)
             if key is None or (name.startswith("__") and _META.match(name)):
@@ -231,31 +273,20 @@ def _members(
                         return
                 if started <= skip:
                     skip_bytes(stream, size + padding, seek_above=0)
-                elif limit is not None and size > limit and (wanted is None or suffix.lower() in wanted):
+                elif wanted is not None and suffix.lower() not in wanted:
+                    skip_bytes(stream, size + padding)
+                    yield key, suffix.lower(), None, at
+                elif limit is not None and size > limit:
                     skip_bytes(stream, size + padding)
                     yield key, suffix.lower(), Oversized(size), at
-                elif late is not None and size >= LATE_MIN and (wanted is None or suffix.lower() in wanted):
-                    where = base + pos
-                    if where + size > late.size:
-                        raise tarfile.ReadError("unexpected end of data")
-                    skip_bytes(stream, size + padding, seek_above=0)
-                    if where + size > ahead - AHEAD // 2 and ADVISE is not None:
-                        # Passing over the data defeats the kernel's readahead: ask for the next
-                        # bytes ourselves, so that headers and late reads find them in memory.
-                        start = max(ahead, where)
-                        with contextlib.suppress(OSError):  # a hint, which a file system may refuse
-                            ADVISE(late.fd, start, AHEAD, os.POSIX_FADV_WILLNEED)
-                        ahead = start + AHEAD
-                    yield key, suffix.lower(), Late(late, where, size), at
-                elif wanted is None or suffix.lower() in wanted:
+                elif late is not None and size >= LATE_MIN:
+                    ahead = _pass_late(stream, late, base + pos, size, padding, ahead)
+                    yield key, suffix.lower(), Late(late, base + pos, size), at
+                else:
                     data = _read_exactly(stream, size)
                     skip_bytes(stream, padding)
                     yield key, suffix.lower(), data, at
-                else:
-                    skip_bytes(stream, size + padding)
-                    yield key, suffix.lower(), None, at
-            pos += size + padding
-            at = pos
+            pos = at = pos + size + padding
         header = _read_up_to(stream, BLOCK)
 
 
