@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import gpucheck_loader  # noqa: E402  (bench/, beside this file)
 import gpucheck_report  # noqa: E402
 import gpucheck_train  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -238,16 +239,6 @@ def machine(sizes: Sizes) -> dict:
         nv = Path("/proc/driver/nvidia/version")
         info["driver"] = driver_version(nv.read_text()) if nv.exists() else None
     return info
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

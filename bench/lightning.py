@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from machine import cpu_model  # noqa: E402  (bench/, beside this file)
 
 CONTENDERS = ("raw", "lightning")
 
@@ -169,16 +169,6 @@ def ensure_shards(args: argparse.Namespace) -> None:
             check=True,
         )
     args.shards = str(index)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def parse_args() -> argparse.Namespace:
