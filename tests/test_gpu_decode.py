@@ -270,3 +270,17 @@ def test_epochs_cut_to_nbatches_read_on_the_gpu_path_as_on_the_cpu_path(tmp_path
     # batches ahead when the cut came, on either path
     for a, b in zip(cpu, gpu_, strict=True):
         assert all(torch.equal(a[name], b[name]) for name in ("id", "pos", "label", "bad"))
+
+
+def test_the_lightning_datamodule_decodes_on_the_gpu_through_the_same_option(tmp_path, on_cpu):
+    from wdsdist.lightning import WdsDataModule
+
+    index = write_tiny_shards(tmp_path / "s", [16, 16], size=48)
+    cfg = LoaderConfig(mode="epoch", batch_size=8, image_size=32, workers=0, decode="gpu")
+    data = WdsDataModule(str(index), cfg, val_shards=str(index))
+    loader = data.train_dataloader()
+    batches = list(loader)
+    assert len(batches) == 4 and all(b["image"].shape == (8, 3, 32, 32) for b in batches)
+    assert loader.decode_counts == {"gpu": 32, "cpu": 0, "failed": 0}
+    # Evaluation decodes on the CPU, resized and centre-cropped, from the same config
+    assert sum(len(b["label"]) for b in data.val_dataloader()) == 32
