@@ -160,7 +160,7 @@ class Loader:
         PNG, a CMYK JPEG, one nvJPEG refused) and left out of their batch (``failed``: no decoder
         could); empty under decode=cpu."""
         decoder = self._inner.decoder if self._inner is not None else None
-        return dict(decoder.counts) if decoder is not None else {}
+        return {k: decoder.counts[k] for k in ("gpu", "cpu", "failed")} if decoder is not None else {}
 
     def taken(self, batch: dict | None = None) -> None:
         """With ``mark_taken``: the oldest batch delivered and not yet taken is now consumed."""

@@ -344,6 +344,12 @@ def finish(run: Run, step: int) -> dict:
     if run.dist.is_main:
         if len(set(fingerprints)) > 1:
             run.report.line(f"warning: ranks disagree at the end (step, weights): {fingerprints}")
+        decoded = run.feed.loader.decode_counts  # loader.decode=gpu: where rank 0's images were made
+        if decoded:
+            run.report.line(
+                f"loader.decode=gpu on rank 0: {decoded['gpu']} images decoded on the GPU, {decoded['cpu']} on the "
+                f"CPU (PNG, CMYK, or refused by nvJPEG), {decoded['failed']} left out (no decoder took them)"
+            )
         metrics = {"hparam/val_top1": summary["val_top1"] or 0.0, "hparam/val_loss": summary["val_loss"] or 0.0}
         run.report.hparams(hparams_of(run), metrics)
         write_text(os.path.join(run.run_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
