@@ -25,7 +25,7 @@ def test_imagenet_resnet50_is_the_readmes_imagenet_command():
         "resnet50",
     )
     t = cfg.trainer
-    assert (t.batch_size, t.workers, t.steps, t.eval_every, t.ckpt_every) == (128, 8, 112600, 5000, 5000)
+    assert (t.batch_size, t.workers, t.steps, t.eval_every, t.ckpt_every) == (128, "auto", 112600, 5000, 5000)
     assert cfg.data.train_shards == "/d/imagenet-train.index.json" and cfg.data.synthetic is None
     # Command-line values still win over the experiment's.
     assert compose_config(["+experiment=imagenet_resnet50", *shards, "trainer.steps=28150"]).trainer.steps == 28150
