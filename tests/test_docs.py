@@ -47,7 +47,7 @@ def test_the_manual_builds_strictly(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     api = (tmp_path / "api" / "index.html").read_text()
-    for name in ("loader.Loader", "loader.EvalLoader", "options.LoaderConfig", "delivery.pipeline.resolve_shards"):
+    for name in ("loader.Loader", "loader.EvalLoader", "options.LoaderConfig", "delivery.pipeline.expand_shards"):
         assert f'id="wdsdist.data.{name}"' in api, name  # the reference is rendered, not just a heading
     # every option of LoaderConfig is explained there, from its docstring in data/options.py
     text = " ".join(html.unescape(re.sub(r"<[^>]+>", "", api)).split())

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.loading import Quiet
-from wdsdist.data.sources import opener
 from wdsdist.data.sources.index import offsets_entry
 from wdsdist.data.sources.opener import Access
+from wdsdist.data.sources.schemes import file as local_files
 from wdsdist.data.sources.shardspec import SampleOffsets, Shard, _offsets
 from wdsdist.data.sources.spanread import read_span
 from wdsdist.data.tar.lateread import Late, read_late
@@ -218,7 +218,7 @@ def test_a_local_span_reads_no_byte_of_the_samples_before_or_after_it(tmp_path, 
     def counting_open(name, mode="r", buffering=-1):
         return io.BufferedReader(_Counting(str(name), counter))
 
-    monkeypatch.setattr(opener, "open", counting_open, raising=False)
+    monkeypatch.setattr(local_files, "open", counting_open, raising=False)
     offsets = (
         _offsets("t", offsets_entry(sample_offsets(io.BytesIO(path.read_bytes())), 3), n) if with_offsets else None
     )

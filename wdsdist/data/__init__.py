@@ -24,7 +24,7 @@ _EXPORTS = {
     "Plan": ("wdsdist.data.plan.splits", "Plan"),
     "Remainder": ("wdsdist.data.options", "Remainder"),
     "SampleOptions": ("wdsdist.data.options", "SampleOptions"),
-    "Shard": ("wdsdist.data.sources.shardspec", "Shard"),
+    "Shard": ("wdsdist.data.sources.shard", "Shard"),
     "ShardSpec": ("wdsdist.data.loader", "ShardSpec"),
     "Source": ("wdsdist.data.options", "Source"),
     "Split": ("wdsdist.data.options", "Split"),
@@ -32,7 +32,7 @@ _EXPORTS = {
     "Transform": ("wdsdist.data.loader", "Transform"),
     "UserError": ("wdsdist.errors", "UserError"),
     "dist_layout": ("wdsdist.data.loader", "dist_layout"),
-    "expand_shards": ("wdsdist.data.delivery.pipeline", "resolve_shards"),
+    "expand_shards": ("wdsdist.data.delivery.pipeline", "expand_shards"),
     "option_problems": ("wdsdist.data.options", "option_problems"),
 }
 __all__ = [
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from wdsdist.data.delivery.pipeline import resolve_shards as expand_shards
+    from wdsdist.data.delivery.pipeline import expand_shards
     from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
     from wdsdist.data.options import (
         LoaderConfig,
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     )
     from wdsdist.data.plan.splits import Plan
     from wdsdist.data.sources.cache import CACHE_COUNTS
-    from wdsdist.data.sources.shardspec import Shard
+    from wdsdist.data.sources.shard import Shard
     from wdsdist.errors import DataError, UserError
 
 

@@ -23,8 +23,8 @@ from wdsdist.data.delivery.pipeline import (
     check_decode,
     check_layout,
     counted_shards,
+    expand_shards,
     make_eval_loader,
-    resolve_shards,
     resumed,
 )
 from wdsdist.data.options import LoaderConfig, Source
@@ -108,7 +108,7 @@ class Loader:
             config = mix_config(config)
             self.shards, self.mix = resolve_sources(shards, config)  # type: ignore[arg-type]
         else:
-            self.shards = counted_shards(resolve_shards(shards, config), config)  # type: ignore[arg-type]
+            self.shards = counted_shards(expand_shards(shards, config), config.by_samples)  # type: ignore[arg-type]
         self.config = config
         self.plan: Plan | None = check_layout(self.shards, self.world, config, mix=self.mix)
         self.transform, self.group, self.mark_taken = transform, group, mark_taken

@@ -16,7 +16,8 @@ from enum import StrEnum
 from typing import Any
 
 from wdsdist.data.cores import AUTO, auto_workers
-from wdsdist.data.sources import httpopen, opener
+from wdsdist.data.sources import httpopen
+from wdsdist.data.sources.access import Access
 from wdsdist.errors import UserError
 
 
@@ -231,8 +232,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
         return cls(**(values | given))
 
     @property
-    def access(self) -> opener.Access:
-        return opener.Access(
+    def access(self) -> Access:
+        return Access(
             allow_pipe=self.allow_pipe,
             trust_index=self.trust_index,
             http_timeout=self.http_timeout,

@@ -94,7 +94,7 @@ def spec_layout(
                 f"--plan needs sample counts and {first} has none: give an index JSON "
                 f"(makeshards.py --index), or describe the layout with --nshards and --samples-per-shard"
             )
-        shardspec.refuse_pipes(unknown, access)
+        shardspec.check_access(unknown, access)
         from wdsdist.data.sources.index import count_samples  # imports torch: only when counting
 
         try:
@@ -102,7 +102,7 @@ def spec_layout(
         except UserError as exc:
             raise UserError(" ".join(str(exc).split())) from None  # tarfile's reasons span lines
     if need_files:
-        shardspec.refuse_pipes(shards, access)
+        shardspec.check_access(shards, access)
     return Layout(tuple(counts), spec, tuple(shards))
 
 

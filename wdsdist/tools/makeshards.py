@@ -64,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
     access = shardspec.Access(allow_pipe=allow_pipe)
     shards = shardspec.expand(spec, access=access)
-    shardspec.refuse_pipes(shards, access)  # counting opens every shard
-    shardspec.check_credentials(shards)
+    shardspec.check_access(shards, access)  # counting opens every shard
     first = shards[0].url
     name = re.sub(r"[-_.]?\d+$", "", os.path.basename(first).split(".")[0]) or "shards"
     if output is None:

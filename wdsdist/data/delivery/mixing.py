@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from wdsdist.data.delivery.pipeline import counted_shards, resolve_shards
+from wdsdist.data.delivery.pipeline import counted_shards, expand_shards
 from wdsdist.data.options import LoaderConfig, LoaderMode, ShardOrder, Source, Split
 from wdsdist.data.plan.mix import Mix, MixSource, check
 from wdsdist.data.sources.shardspec import Shard
@@ -34,7 +34,7 @@ def resolve_sources(sources: Sequence[Source], cfg: LoaderConfig) -> tuple[list[
     parts = []
     for source in sources:
         try:
-            mine = counted_shards(resolve_shards(source.shards, cfg), cfg)
+            mine = counted_shards(expand_shards(source.shards, cfg), cfg.by_samples)
         except UserError as exc:
             raise UserError(f"source {source.name!r}: {exc}") from None
         index = tuple(range(len(shards), len(shards) + len(mine)))

@@ -74,8 +74,10 @@ from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint
 from wdsdist.data.plan.sequence import ranges_length
 from wdsdist.data.plan.splits import Plan, plan, plan_samples, rank_batches, split_by_rank
 from wdsdist.data.plan.state import LoaderState, MixState, RankState, counts_digest
-from wdsdist.data.sources import cache, opener, shardspec
-from wdsdist.data.sources.index import count_samples
+from wdsdist.data.sources import cache, shardspec
+from wdsdist.data.sources.resolve import counted_shards, known_counts, resolve_shards
+
+__all__ = ["counted_shards", "expand_shards"]
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
 
@@ -313,29 +315,6 @@ def as_is(batch: dict) -> dict:
     return batch
 
 
-def known_counts(shards: Sequence[Shard], *, count_local: bool) -> list[int] | None:
-    """Per-shard sample counts from the index, or counted from local tar headers if asked."""
-    counts = shardspec.sample_counts(shards)
-    if counts is None and count_local and not any(opener.is_remote(s.url) for s in shards):
-        counts = [s.nsamples if s.nsamples is not None else count_samples(s.url) for s in shards]
-    return counts
-
-
-def counted_shards(shards: Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
-    """The shards with their sample counts, as split=samples needs them: from the index, or
-    counted from local tar headers; refused (one line, the fix) when a remote shard has none."""
-    if not cfg.by_samples:
-        return list(shards)
-    counts = known_counts(shards, count_local=True)
-    if counts is None:
-        first = next(s.url for s in shards if s.nsamples is None)
-        raise UserError(
-            f"loader.split=samples needs sample counts per shard and {first} has none: give an index JSON "
-            f"(makeshards.py --index), or use loader.split=shards"
-        )
-    return [s if s.nsamples == n else replace(s, nsamples=n) for s, n in zip(shards, counts, strict=True)]
-
-
 def check_layout(
     shards: Sequence[Shard], world: int, cfg: LoaderConfig, *, equal: bool = True, mix: Mix | None = None
 ) -> Plan | None:
@@ -349,7 +328,7 @@ def check_layout(
         return None
     if cfg.by_samples:
         order_nodes(cfg.shard_order, world, cfg.node_ranks)  # whole nodes, or refused in one line
-        counts = [epoch_total(mix, 0)] if mix is not None else [s.nsamples or 0 for s in counted_shards(shards, cfg)]
+        counts = [epoch_total(mix, 0)] if mix is not None else [s.nsamples or 0 for s in counted_shards(shards, True)]
         p = plan_samples(
             counts,
             world,
@@ -394,16 +373,10 @@ def check_layout(
     return p
 
 
-def resolve_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
-    """The spec's shards, with missing local files an error (strict) or a warning, and pipe:
-    URLs refused unless allowed."""
-    if spec and isinstance(spec, (list, tuple)) and isinstance(spec[0], Shard):
-        shards = list(spec)
-    else:
-        shards = shardspec.expand(spec, strict=cfg.strict, access=cfg.access)  # type: ignore[arg-type]
-    shardspec.refuse_pipes(shards, cfg.access)
-    shardspec.check_credentials(shards)
-    return shards
+def expand_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfig) -> list[Shard]:
+    """The shards a spec names, checked (sources/resolve.py), as the loader's config says: what may
+    be read (``cfg.access``) and whether a missing local shard is an error (``cfg.strict``)."""
+    return resolve_shards(spec, cfg.access, strict=cfg.strict)
 
 
 def resumed(
@@ -430,7 +403,7 @@ def make_loader(
 ) -> RankLoader:
     """Expand the spec, check the layout, and build rank ``rank``'s loader, resumed from ``state``
     (what state.LoaderState.from_dict reads: every rank's entries, or one rank's alone)."""
-    shards = counted_shards(resolve_shards(spec, cfg), cfg)
+    shards = counted_shards(expand_shards(spec, cfg), cfg.by_samples)
     p = check_layout(shards, world, cfg)
     restored = None
     if state is not None:
@@ -446,7 +419,7 @@ def make_eval_loader(
     Ranks may hold different numbers of samples (the caller all-reduces sums, not batches);
     a rank with fewer shards than workers uses fewer workers, one with none yields nothing.
     """
-    shards = resolve_shards(spec, cfg)
+    shards = expand_shards(spec, cfg)
     mine = len(split_by_rank(shards, rank, world))
     if mine == 0:
         return []

@@ -54,7 +54,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-CACHED_PREFIXES = ("http://", "https://", "s3://", "gs://")
+from wdsdist.data.sources import schemes
+
 BUDGET_LOCK = "cache.lock"  # in the folder: who may evict and reserve, one process at a time
 TAIL = 40  # characters of the URL's last part kept in an entry's name, for people reading the folder
 CHUNK = 1 << 20  # bytes copied from the store per read
@@ -64,9 +65,9 @@ FULL = (errno.ENOSPC, errno.EDQUOT)  # errors of a full disk
 
 
 def cacheable(url: str) -> bool:
-    """A shard the cache takes: http(s), s3:// and gs://. Local files are read where they are, and a
-    ``pipe:`` command's output is the command's to repeat."""
-    return url.startswith(CACHED_PREFIXES)
+    """A shard the cache takes: one a ranged scheme reads (http(s), s3://, gs://). Local
+    files are read where they are, and a ``pipe:`` command's output is the command's to repeat."""
+    return schemes.of(url).RANGED
 
 
 Span = tuple[int, int | None]  # bytes [lo, hi) of an object (hi None: to its end)

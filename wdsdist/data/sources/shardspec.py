@@ -13,7 +13,6 @@ A spec is one of:
 from __future__ import annotations
 
 import array
-import glob
 import json
 import logging
 import os
@@ -22,65 +21,25 @@ import stat
 import sys
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import braceexpand
-
-from wdsdist.data.sources import httpopen, s3open
-from wdsdist.data.sources.opener import Access, is_http, is_remote, read_capped
+from wdsdist.data.sources import httpopen, s3open, schemes
+from wdsdist.data.sources.access import Access, is_http, is_remote
+from wdsdist.data.sources.opener import read_capped
+from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES, SampleOffsets, Shard
 from wdsdist.data.tar.tarread import is_tar_header
 from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)
+
+__all__ = ["Access", "SampleOffsets", "Shard", "check_access", "expand", "is_index", "is_remote", "read_index_shards"]
 
 MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack
 # Sample offsets an index may hold in all: one for every sample of ImageNet's 1.28 M (16 MB packed
 # in each process); an index with more is read without them, with a warning.
 MAX_INDEX_OFFSETS = 1 << 21
 MAX_SHARD_BYTES = 1 << 50  # an offset beyond a PiB is no tar shard's
-# The most samples an index may claim for one shard. With loader.split=samples each position a
-# shard does not deliver is a placeholder the loader passes (2-3 us each), so a claim is time
-# spent: 16.7 M samples take >= 8 GiB of tar headers alone, more than any shard we know of
-# holds, and the loader passes them in under a minute. A local plain tar too small for its claim is
-# warned of.
-MAX_SHARD_SAMPLES = 1 << 24
 _BLOCK = 512  # tar's block: every header starts on one
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-@dataclass(frozen=True)
-class SampleOffsets:
-    """Where in a plain tar shard every ``every``-th sample begins: ``at(j)`` is the byte offset of
-    sample ``j * every``'s first header. Packed as 8-byte integers (``packed``): ImageNet's
-    1.28 M samples at every=16 take 640 KB in each process, where a list of ints took 3 MB."""
-
-    every: int
-    packed: bytes
-
-    def __len__(self) -> int:
-        return len(self.packed) // 8
-
-    def at(self, j: int) -> int:
-        return int.from_bytes(self.packed[8 * j : 8 * j + 8], "little")
-
-    def seek_point(self, sample: int) -> tuple[int, int]:
-        """(first, offset): the table's last sample ``first`` <= ``sample`` and where it begins."""
-        j = min(sample // self.every, len(self) - 1)
-        return j * self.every, self.at(j)
-
-    def bound(self, sample: int) -> int | None:
-        """A byte offset at or after the start of ``sample`` (None: the table ends before it)."""
-        j = -(-sample // self.every)
-        return self.at(j) if j < len(self) else None
-
-
-@dataclass(frozen=True)
-class Shard:
-    url: str
-    nsamples: int | None = None
-    # A reading aid from the index, not part of what the shard is: two Shards of one URL and
-    # count are equal (and hash alike) with or without it.
-    offsets: SampleOffsets | None = field(default=None, compare=False, repr=False)
 
 
 def is_index(spec: str) -> bool:
@@ -280,34 +239,10 @@ def _expand_one(spec: str, strict: bool, access: Access) -> list[Shard]:
     spec = spec.strip()
     if not spec:
         return []
+    scheme = schemes.of(spec)
     if is_index(spec):
-        return read_index_shards(spec, access)
-    urls = list(braceexpand.braceexpand(spec))
-    if is_remote(spec):
-        bad = next((u for u in urls if s3open.is_object_url(u) and not s3open.is_object_key(u)), None)
-        if bad is not None:
-            raise UserError(f"shard spec {spec!r}: {bad}: need s3://BUCKET/KEY or gs://BUCKET/KEY")
-        return [Shard(u) for u in urls]
-    shards: list[Shard] = []
-    missing: list[str] = []
-    for u in urls:
-        if glob.has_magic(u):
-            matches = sorted(glob.glob(u))
-            if not matches:
-                missing.append(u)
-            shards.extend(Shard(m) for m in matches)
-        elif os.path.exists(u):
-            shards.append(Shard(u))
-        else:
-            missing.append(u)
-    if missing and not shards:
-        raise UserError(f"shard spec {spec!r} matches no file")
-    if missing:
-        message = f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}"
-        if strict:
-            raise UserError(message)
-        log.warning("%s; going on without them", message)
-    return shards
+        return read_index_shards(scheme.pin(spec, access), access)
+    return scheme.expand(spec, access, strict)
 
 
 def expand(spec: str | Sequence[str], strict: bool = True, access: Access | None = None) -> list[Shard]:
@@ -325,27 +260,12 @@ def expand(spec: str | Sequence[str], strict: bool = True, access: Access | None
     return shards
 
 
-def refuse_pipes(shards: Sequence[Shard], access: Access) -> None:
-    """``pipe:`` runs a shell command: refused unless the user allowed it (``data.allow_pipe``,
-    ``--allow-pipe``). The one place this rule lives; callers that open shards call it (a plan
-    from an index's counts opens nothing)."""
-    piped = [s.url for s in shards if s.url.startswith("pipe:")]
-    if piped and not access.allow_pipe:
-        raise UserError(f"{piped[0]}: pipe: URLs are refused (allow_pipe is false)")
-
-
-def check_credentials(shards: Sequence[Shard]) -> None:
-    """Credentials for the object stores the shards are in, before any is opened: without them
-    every shard would fail one by one after startup. Callers that open shards call it, as they
-    call ``refuse_pipes`` (a plan from an index's counts needs none)."""
-    first = next((s.url for s in shards if s3open.is_object_url(s.url)), None)
-    if first is None:
-        return
-    s3open.require_boto3(first)
-    try:
-        s3open.check_credentials(first)
-    except OSError as exc:
-        raise UserError(f"{first}: {exc}") from None
+def check_access(shards: Sequence[Shard], access: Access) -> None:
+    """What each scheme checks before any of its shards is opened: a refused ``pipe:`` command,
+    the credentials of the object stores the shards are in, the Hub's extra. Without it every
+    shard would fail one by one after startup. Callers that open shards call it (a plan from an
+    index's counts needs none)."""
+    schemes.check(shards, access)
 
 
 def sample_counts(shards: Sequence[Shard]) -> list[int] | None:
