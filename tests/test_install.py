@@ -121,6 +121,7 @@ def requirement_names(requires: list[str], extra: str | None = None) -> set[str]
 EXTRAS = {
     "train": {"hydra-core", "omegaconf", "tensorboard", "tqdm"},
     "s3": {"boto3", "botocore", "urllib3"},
+    "hf": {"huggingface-hub"},
     "plot": {"matplotlib"},
     "lightning": {"pytorch-lightning"},
 }
@@ -132,7 +133,7 @@ def test_the_install_is_the_loader_and_its_tools_and_each_extra_brings_its_part(
     assert runtime == {"torch", "torchvision", "webdataset", "braceexpand", "pillow", "numpy", "tqdm"}
     for extra, names in EXTRAS.items():
         assert requirement_names(probe["requires"], extra) == names, extra
-    assert requirement_names(probe["requires"], "all") == {"wds-distributed"}  # [train,s3,plot,lightning]
+    assert requirement_names(probe["requires"], "all") == {"wds-distributed"}  # [train,s3,hf,plot,lightning]
     assert TEST_TOOLS <= requirement_names(probe["requires"], "test") and not runtime & TEST_TOOLS
 
 
@@ -140,7 +141,8 @@ def test_the_install_is_the_loader_and_its_tools_and_each_extra_brings_its_part(
 # be imported (the venv sees the project environment's, which has them all).
 LEAN = """
 import sys
-for name in ("hydra", "omegaconf", "tensorboard", "matplotlib", "boto3", "botocore", "pytorch_lightning"):
+for name in ("hydra", "omegaconf", "tensorboard", "matplotlib", "boto3", "botocore", "pytorch_lightning",
+             "huggingface_hub"):
     sys.modules[name] = None
 """
 
@@ -177,14 +179,16 @@ def test_without_extras_the_tools_make_shards_and_the_loader_reads_them(installe
 
 
 S3_LOADER = "from wdsdist.data import Loader, LoaderConfig; Loader('s3://b/k-{0..3}.tar', LoaderConfig(batch_size=2))"
+HF_LOADER = "from wdsdist.data import Loader, LoaderConfig; Loader('hf://datasets/o/n/k', LoaderConfig(batch_size=2))"
 EXTRA_LINES = [
     (("-c", S3_LOADER), "s3://b/k-0.tar: s3:// shards need boto3: pip install 'wds-distributed[s3]'"),
+    (("-c", HF_LOADER), "hf://datasets/o/n/k: hf:// shards need huggingface_hub: pip install 'wds-distributed[hf]'"),
     (("-m", "wdsdist.simdist", "--plan", "--plot", "x.png"), "needs matplotlib: pip install 'wds-distributed[plot]'"),
     (("-c", "import wdsdist.lightning"), "needs PyTorch Lightning: pip install 'wds-distributed[lightning]'"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "line"), EXTRA_LINES, ids=["s3", "plot", "lightning"])
+@pytest.mark.parametrize(("argv", "line"), EXTRA_LINES, ids=["s3", "hf", "plot", "lightning"])
 def test_a_feature_used_without_its_extra_names_the_extra_in_one_line(installed, tmp_path, argv, line):
     proc = lean(installed, tmp_path, *argv, python=True)
     assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
@@ -216,7 +220,7 @@ def test_the_pins_lie_in_pyprojects_ranges():
     assert not runtime.keys() & TEST_TOOLS and TEST_TOOLS <= dev.keys()
     # requirements.txt: the loader, its tools and the trainer with every extra it runs (not Lightning);
     # requirements-dev.txt may pin more than the extras name (tools that are neither run time nor test).
-    image = ranges(project["dependencies"] + extras["train"] + extras["s3"] + extras["plot"])
+    image = ranges(project["dependencies"] + extras["train"] + extras["s3"] + extras["hf"] + extras["plot"])
     for want, have, exact in [
         (image, runtime, True),
         ({**ranges(extras["test"]), **ranges(extras["lightning"])}, dev, False),

@@ -15,17 +15,18 @@ class Access:
     """What reading a spec may do beyond local files the user named.
 
     ``allow_pipe``: ``pipe:`` URLs (a shell command) may run. ``trust_index``: an index may name
-    shards outside its own place (absolute paths, ``..``, another server or bucket, other URL
-    schemes, and with ``allow_pipe`` also ``pipe:``); without it a local index names files inside
-    its folder or URLs, an http(s) index names http(s) URLs on its own server (scheme, host and
-    port), and an s3:// or gs:// index names objects in its own bucket.
+    shards outside its own place (absolute paths, ``..``, another server, bucket or repository,
+    other URL schemes, and with ``allow_pipe`` also ``pipe:``); without it a local index names
+    files inside its folder or URLs, an http(s) index names http(s) URLs on its own server
+    (scheme, host and port), an s3:// or gs:// index names objects in its own bucket, and an
+    hf:// index files of its own data set at its own revision.
 
     ``http_timeout``, ``http_min_rate`` and ``http_retry_s`` (seconds of failure a shard read
-    rides out, retry.py; 0: none) hold for object stores too; ``s3_endpoint_url`` and
-    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go.
-    ``cache_dir``: the node's folder that http(s), s3:// and gs:// shards are fetched into once and
-    read from (cache.py; None: none), holding at most ``cache_limit`` bytes (None: half of what
-    it holds plus the free space when it starts)."""
+    rides out, retry.py; 0: none) hold for object stores and the Hub too; ``s3_endpoint_url`` and
+    ``gs_endpoint_url`` (None: boto3's own, and Cloud Storage) say where s3:// and gs:// go (the
+    Hub's is ``HF_ENDPOINT``). ``cache_dir``: the node's folder that remote shards are fetched
+    into once and read from (cache.py; None: none), holding at most ``cache_limit`` bytes (None:
+    half of what it holds plus the free space when it starts)."""
 
     allow_pipe: bool = False
     trust_index: bool = False

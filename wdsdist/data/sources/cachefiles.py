@@ -65,7 +65,7 @@ FULL = (errno.ENOSPC, errno.EDQUOT)  # errors of a full disk
 
 
 def cacheable(url: str) -> bool:
-    """A shard the cache takes: one a ranged scheme reads (http(s), s3://, gs://). Local
+    """A shard the cache takes: one a ranged scheme reads (http(s), s3://, gs://, hf://). Local
     files are read where they are, and a ``pipe:`` command's output is the command's to repeat."""
     return schemes.of(url).RANGED
 

@@ -189,16 +189,25 @@ def _ranged(url: str, response: http.client.HTTPResponse, start: int, end: int |
 
 
 def open_url(
-    url: str, timeout: float, min_rate: int = DEFAULT_MIN_RATE, *, start: int = 0, end: int | None = None
+    url: str,
+    timeout: float,
+    min_rate: int = DEFAULT_MIN_RATE,
+    *,
+    start: int = 0,
+    end: int | None = None,
+    headers: dict[str, str] | None = None,
 ) -> http.client.HTTPResponse | io.RawIOBase:
     """Open an http(s) URL for reading with the limits above (``min_rate`` 0: no rate check).
     ``start``, ``end``: only the body's bytes ``start`` .. ``end - 1`` (``end`` None: to its end),
-    by a Range request. Raises OSError (URLError, HTTPError, TimeoutError) naming what went wrong."""
+    by a Range request. ``headers`` (a token) go to this URL's server only, never on to where it
+    redirects. Raises OSError (URLError, HTTPError, TimeoutError) naming what went wrong."""
     if urllib.parse.urlsplit(url).scheme.lower() not in SCHEMES:
         raise urllib.error.URLError(f"not an http(s) URL: {url}")
     if start < 0 or (end is not None and end <= start):
         raise ValueError(f"{url}: no bytes in the range {start} .. {end}")
     request = urllib.request.Request(url)
+    for name, value in (headers or {}).items():
+        request.add_unredirected_header(name, value)
     if start or end is not None:
         request.add_header("Range", f"bytes={start}-{'' if end is None else end - 1}")
     opener = urllib.request.OpenerDirector()
@@ -223,10 +232,12 @@ def open_url(
         raise
 
 
-def read_capped(url: str, limit: int, timeout: float, min_rate: int = DEFAULT_MIN_RATE) -> bytes:
+def read_capped(
+    url: str, limit: int, timeout: float, min_rate: int = DEFAULT_MIN_RATE, headers: dict[str, str] | None = None
+) -> bytes:
     """The body of an http(s) URL, refused (ValueError) when it is larger than ``limit`` bytes;
     never holds more than ``limit`` + 1 bytes of it."""
-    with open_url(url, timeout, min_rate) as response:
+    with open_url(url, timeout, min_rate, headers=headers) as response:
         length = response.headers.get("Content-Length", "")
         if length.strip().isdigit() and int(length) > limit:
             raise ValueError(f"it is {int(length)} bytes, more than the limit of {limit}")

@@ -1,5 +1,5 @@
 """Where a shard's or an index's bytes come from, written once: whichever scheme reads the URL
-(schemes/: a local file, http(s), s3:// and gs://, or a ``pipe:`` command, refused unless
+(schemes/: a local file, http(s), s3:// and gs://, hf://, or a ``pipe:`` command, refused unless
 allowed), with the node cache and the retries wrapped around every ranged scheme here, the one
 place. Whatever reads a shard or an index opens it here, with the limits an ``Access`` carries;
 what it then parses (tar headers, JSON) knows nothing of URLs."""
@@ -26,12 +26,12 @@ def open_shard(
     http(s) goes through urllib (httpopen), never a shell, so a URL cannot inject a command;
     a server that does not answer fails in ``http_timeout`` seconds, one that drips data fails
     below ``http_min_rate``, and a redirect off http(s) is refused. s3:// and gs:// go through
-    boto3 (s3open) with the same limits. All
+    boto3 (s3open), hf:// through the Hub's resolver and then urllib, with the same limits. All
     ride out transient failures for ``http_retry_s`` seconds, resuming where they stopped
     (retry.py). ``pipe:`` runs its command in a shell (WebDataset's gopen) and is refused unless
     ``allow_pipe``. Local files honour WebDataset's GOPEN_BUFFER (bytes of read buffer).
 
-    With ``cache_dir``, an http(s), s3:// or gs:// shard is fetched whole into the node's cache
+    With ``cache_dir``, a remote (ranged) shard is fetched whole into the node's cache
     once (cache.py) and read from there, seeking to ``start``; where the cache cannot take it,
     it is read from the store as without one. ``span`` (bytes [lo, hi) holding ``start`` ..
     ``end``; hi None: to the end) makes the cache fetch and keep only those bytes, with one

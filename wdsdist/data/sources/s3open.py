@@ -36,6 +36,7 @@ from wdsdist.data.sources.retry import Unavailable
 from wdsdist.errors import UserError
 
 SCHEMES = ("s3", "gs")
+PLACE = "bucket"  # what an index in a store may not lead outside
 GCS_ENDPOINT = "https://storage.googleapis.com"
 _BUFFER = 1 << 20  # bytes a shard stream asks of the socket at most per receive
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from wdsdist.data.sources import httpopen, s3open, schemes
 from wdsdist.data.sources.access import Access, is_http, is_remote
 from wdsdist.data.sources.opener import read_capped
+from wdsdist.data.sources.schemes import hub
 from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES, SampleOffsets, Shard
 from wdsdist.data.tar.tarread import is_tar_header
 from wdsdist.errors import UserError
@@ -82,6 +83,7 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
         return url
     remote_index = is_http(index_url)
     object_index = s3open.is_object_url(index_url)
+    hub_index = index_url.startswith(hub.PREFIXES)
     match = _SCHEME.match(url)
     if match:
         scheme = match.group(1).lower()
@@ -93,6 +95,8 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
             raise refuse(f"not on the index's own server {urllib.parse.urljoin(index_url, '/')}")
         if object_index and s3open.bucket_url(url) != s3open.bucket_url(index_url):
             raise refuse(f"not in the index's own bucket {s3open.bucket_url(index_url)}")
+        if hub_index and not hub.within(url, index_url):
+            raise refuse("not in the index's own data set at its revision")
         return url  # a local index may name any URL but file: (and pipe:)
     if os.path.isabs(url):
         if trust:
@@ -103,11 +107,12 @@ def _entry_url(index_url: str, i: int, url: str, access: Access) -> str:
         if not trust and not resolved.startswith(urllib.parse.urljoin(index_url, ".")):
             raise refuse("it leads outside the index's folder")
         return resolved
-    if object_index:
-        joined = s3open.join(index_url, url)
+    if object_index or hub_index:
+        place = hub if hub_index else s3open
+        joined = place.join(index_url, url)
         if joined is None:
-            raise UserError(f"{index_url}: shardlist[{i}]: {url!r} leads outside the bucket")
-        if not trust and not joined.startswith(s3open.folder_url(index_url)):
+            raise UserError(f"{index_url}: shardlist[{i}]: {url!r} leads outside the {place.PLACE}")
+        if not trust and not joined.startswith(place.folder_url(index_url)):
             raise refuse("it leads outside the index's folder")
         return joined
     path = os.path.join(os.path.dirname(index_url), url)

@@ -1,15 +1,16 @@
 """One module per scheme, behind one small interface (``Scheme``): ``expand`` a spec into shards
 (a brace pattern, a glob, a listing; with their sample counts where the scheme's metadata has
-them), ``pin`` a URL to what it names now (a run reads one set of bytes, also when resumed),
-``check`` the shards before any is opened (credentials, a refused shell command), ``open_range``
-one try at bytes ``start`` .. ``end`` of a shard, ``read_capped`` a small file (an index, a data
-set's metadata) and name the ``server`` a failure is blamed on. What wraps every ranged scheme
-alike, the node cache and the retries, lives once in opener.py; what an index may name, in
-shardspec.py.
+them), ``pin`` a URL to what it names now (the Hub's commit of a branch: a run reads one set of
+bytes, also when resumed), ``check`` the shards before any is opened (credentials, a refused shell command),
+``open_range`` one try at bytes ``start`` .. ``end`` of a shard, ``read_capped`` a small file (an
+index, a data set's metadata) and name the ``server`` a failure is blamed on. What wraps every
+ranged scheme alike, the node cache and the retries, lives once in opener.py; what an index may
+name, in shardspec.py.
 
   file    local paths and file: URLs (file.py)
   web     http:// and https:// (web.py, over httpopen.py)
   bucket  s3:// and gs:// (bucket.py, over s3open.py)
+  hub     hf://datasets/ORG/NAME[@REV]/PATTERN, the Hugging Face Hub (hub.py, hubapi.py)
   pipe    pipe: shell commands and ais:// (webdataset's gopen; pipe.py)
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import IO, Protocol
 
 from wdsdist.data.sources.access import Access
-from wdsdist.data.sources.schemes import bucket, file, pipe, web
+from wdsdist.data.sources.schemes import bucket, file, hub, pipe, web
 from wdsdist.data.sources.shard import Shard
 
 
@@ -40,7 +41,7 @@ class Scheme(Protocol):
     def server(self, url: str, access: Access) -> str: ...
 
 
-SCHEMES: tuple[Scheme, ...] = (web, bucket, pipe)  # type: ignore[assignment]
+SCHEMES: tuple[Scheme, ...] = (web, bucket, hub, pipe)  # type: ignore[assignment]
 
 
 def of(url: str) -> Scheme:

@@ -1,0 +1,147 @@
+"""hf:// shards from a Hugging Face Hub (the fake one of tests/helpers/hub.py, at HF_ENDPOINT): the
+Loader and the trainer read them with exact epochs and equal batches, at one commit pinned when
+the run begins (also across a kill -9 and a resume after the branch moved), with sample counts
+from the data set's _info.json and no shard read for them; a node cache fetches each shard once
+over three epochs; an expired signed URL is resolved again; every error is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_tiny_shards
+from tests.helpers.hub import Hub
+from tests.helpers.loading import cfg
+from wdsdist.data import Loader
+from wdsdist.data.sources import opener, shardspec
+from wdsdist.data.sources.access import Access
+from wdsdist.errors import UserError
+
+TRAIN, VAL = [5, 7, 6, 4], [6, 6]
+REPO, GATED = "org/tiny", "org/gated"
+SPEC = f"hf://datasets/{REPO}/train-{{000000..000003}}.tar"
+VAL_SPEC = f"hf://datasets/{REPO}/val-{{000000..000001}}.tar"
+
+
+def files_of(tmp_path: Path, info: bool = True) -> dict[str, bytes | Path]:
+    """The data set: train and validation shards, and timm's _info.json with their counts."""
+    files: dict[str, bytes | Path] = {}
+    splits = {}
+    for split, counts in (("train", TRAIN), ("val", VAL)):
+        write_tiny_shards(tmp_path / "made" / split, counts, split, size=32)
+        names = sorted(p.name for p in (tmp_path / "made" / split).glob("*.tar"))
+        files |= {n: tmp_path / "made" / split / n for n in names}
+        splits[split] = {"name": split, "num_samples": sum(counts), "filenames": names, "shard_lengths": counts}
+    if info:
+        files["_info.json"] = json.dumps({"name": "tiny", "splits": splits}).encode()
+    return files
+
+
+def tar_counts(counter) -> dict[str, int]:
+    return {k: v for k, v in counter.items() if k.endswith(".tar")}
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    with Hub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file of this machine's
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        h.commits = {REPO: h.add_repo(REPO, files_of(tmp_path))}
+        yield h
+
+
+def hub_env(hub: Hub, tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+# ---------------------------------------------------------------- the Loader
+
+
+def test_the_spec_is_pinned_and_counted_from_the_info_file_with_no_shard_read(hub):
+    shards = shardspec.expand(SPEC)
+    commit = hub.commits[REPO]
+    assert [s.url for s in shards] == [f"hf://datasets/{REPO}@{commit}/train-{i:06d}.tar" for i in range(4)]
+    assert [s.nsamples for s in shards] == TRAIN
+    assert tar_counts(hub.cdn_requests) == {}  # counts without reading a shard
+    # A glob lists the data set; a pinned spec names its commit and reads nothing else.
+    assert shardspec.expand(f"hf://datasets/{REPO}/train-*.tar") == shards
+    assert shardspec.expand(f"hf://datasets/{REPO}@{commit}/train-*.tar") == shards
+
+
+def test_two_ranks_read_every_sample_once_in_equal_batches(hub):
+    delivered = []
+    for rank in (0, 1):
+        loader = Loader(SPEC, cfg(workers=1, split="samples"), rank=rank, world=2)
+        batches = [b["key"] for b in loader]
+        delivered.append(batches)
+    assert len(delivered[0]) == len(delivered[1]) > 0
+    keys = [k for rank in delivered for batch in rank for k in batch]
+    assert set(keys) == {f"s{i:07d}" for i in range(sum(TRAIN))}
+    assert len(keys) - len(set(keys)) == len(keys) - sum(TRAIN) < 2 * 4  # only the padding, less than a batch each
+    assert hub.cdn_authorization == []  # the token never leaves the Hub's own origin
+
+
+def test_an_index_in_the_data_set_is_read_at_the_pinned_commit(hub, tmp_path):
+    entries = [{"url": f"train-{i:06d}.tar", "nsamples": n} for i, n in enumerate(TRAIN)]
+    index = json.dumps({"__kind__": "wids-shard-index-v1", "shardlist": entries}).encode()
+    commit = hub.commit(REPO, {"train.index.json": index})
+    shards = shardspec.expand(f"hf://datasets/{REPO}/train.index.json")
+    assert [s.url for s in shards] == [f"hf://datasets/{REPO}@{commit}/train-{i:06d}.tar" for i in range(4)]
+    outside = json.dumps({"shardlist": [{"url": "hf://datasets/org/other@main/x.tar", "nsamples": 1}]}).encode()
+    hub.commit(REPO, {"bad.index.json": outside})
+    with pytest.raises(UserError, match=r"shardlist\[0\]: refused .*not in the index's own data set"):
+        shardspec.expand(f"hf://datasets/{REPO}/bad.index.json")
+
+
+def test_an_expired_signed_url_is_resolved_again_mid_read(hub, tmp_path):
+    url = shardspec.expand(SPEC)[1].url
+    hub.url_uses = 1  # each signed URL opens once
+    hub.cut_after(3000)  # the first read is cut: the reader comes back with a Range request
+    hub.reset_counts()
+    with opener.open_shard(url, Access(http_retry_s=30)) as stream:
+        data = stream.read()
+    assert data == (tmp_path / "made" / "train" / "train-000001.tar").read_bytes()
+    assert hub.resolves[f"{REPO}/train-000001.tar"] == 2 and hub.cdn_authorization == []
+
+
+def test_a_rate_limit_is_waited_for_within_the_budget_then_named(hub):
+    hub.rate_limit(1, retry_after=1)
+    assert len(shardspec.expand(SPEC, access=Access(http_retry_s=30))) == 4
+    assert hub.rate_limited == 1
+    hub.rate_limit(1000, retry_after=60)
+    with pytest.raises(UserError) as err:
+        shardspec.expand(SPEC, access=Access(http_retry_s=5))
+    assert "the Hub's rate limit (429) for org/tiny; gave up after 1 tries" in str(err.value)
+    assert "data.http_retry_s=5" in str(err.value) and "\n" not in str(err.value)
+
+
+def errors_cases(hub) -> list[tuple[str, str | None, str]]:
+    page, gated = f"{hub.endpoint}/datasets/{GATED}", f"hf://datasets/{GATED}/train-000000.tar"
+    return [
+        (gated, None, f"no token was sent: set HF_TOKEN (.*); ask for access at {page}"),
+        (gated, "hf_other", f"this token has no access to it: ask for access at {page}"),
+        ("hf://datasets/org/nope/train-000000.tar", None, "no data set org/nope on http://127.0.0.1"),
+        (f"hf://datasets/{REPO}@v9/train-000000.tar", None, "org/tiny has no revision 'v9'"),
+        (f"hf://datasets/{REPO}/train-000009.tar", None, r"no file of it is in hf://datasets/org/tiny@main \(commit"),
+        ("hf://datasets/org", None, "an hf:// shard spec is hf://datasets/ORG/NAME"),
+    ]  # fmt: skip
+
+
+def test_every_hub_error_is_one_line(hub, tmp_path, monkeypatch):
+    hub.add_repo(GATED, files_of(tmp_path / "g"), gated=True)
+    hub.grant("hf_mine", GATED)
+    for spec, token, line in errors_cases(hub):
+        if token:
+            monkeypatch.setenv("HF_TOKEN", token)
+        else:
+            monkeypatch.delenv("HF_TOKEN", raising=False)
+        with pytest.raises(UserError, match=line) as err:
+            shardspec.expand(spec)
+        assert "\n" not in str(err.value), spec
+    monkeypatch.setenv("HF_TOKEN", "hf_mine")
+    assert len(shardspec.expand(f"hf://datasets/{GATED}/train-*.tar")) == 4
+    assert hub.cdn_authorization == []
