@@ -7,13 +7,20 @@ over three epochs; an expired signed URL is resolved again; every error is one l
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import write_tiny_shards
+from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.hub import Hub
 from tests.helpers.loading import cfg
+from tests.helpers.trace import delivery, kept
+from tests.helpers.training import overrides, torchrun
 from wdsdist.data import Loader
 from wdsdist.data.sources import opener, shardspec
 from wdsdist.data.sources.access import Access
@@ -145,3 +152,78 @@ def test_every_hub_error_is_one_line(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_mine")
     assert len(shardspec.expand(f"hf://datasets/{GATED}/train-*.tar")) == 4
     assert hub.cdn_authorization == []
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+@pytest.mark.slow  # a torchrun job
+def test_training_reads_the_hub_with_exact_epochs_and_a_node_cache_fetches_it_once(hub, tmp_path):
+    extra = (
+        "loader.mode=epoch", "trainer.epochs=3", f"loader.cache_dir={tmp_path / 'cache'}", "trainer.ckpt_every=0",
+        "loader.split=samples", "trainer.workers=1",
+    )  # fmt: skip
+    run = tmp_path / "run"
+    env = hub_env(hub, tmp_path, WDSDIST_TEST_TRACE=str(tmp_path / "trace"))
+    proc = torchrun(2, *overrides({"train": SPEC, "val": VAL_SPEC}, run, *extra), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    epochs = kept(tmp_path / "trace")
+    assert sorted(epochs) == [0, 1, 2] and all(delivery(p, sum(TRAIN)).exact for p in epochs.values())
+    sizes = {f"{REPO}/{p.name}": p.stat().st_size for p in (tmp_path / "made").glob("*/*.tar")}
+    assert tar_counts(hub.cdn_bytes) == sizes  # each shard, train and val, sent once to the node
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_samples"] == sum(VAL)
+    assert json.loads((run / "pins.json").read_text()) == {
+        SPEC: SPEC.replace(REPO, f"{REPO}@{hub.commits[REPO]}"),
+        VAL_SPEC: VAL_SPEC.replace(REPO, f"{REPO}@{hub.commits[REPO]}"),
+    }
+
+
+@pytest.mark.slow  # two training processes
+def test_a_resume_after_kill_9_reads_the_commit_the_run_began_with(hub, tmp_path):
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    args = overrides(
+        {"train": SPEC, "val": VAL_SPEC}, run, "trainer.steps=8", "trainer.ckpt_every=2", "model.name=squeezenet1_1",
+        "trainer.workers=1", "loader.split=samples",
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **hub_env(hub, tmp_path))
+    env |= {"WDSDIST_TEST_HOLD": str(hold), "WDSDIST_TEST_HOLD_STEP": "5", "WDSDIST_TEST_TRACE": str(tmp_path / "t")}
+    (tmp_path / "hold.g1").write_text("")
+    first = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        from tests.test_faults_train import wait_for
+
+        wait_for(lambda: (tmp_path / "hold.g1.rank-0").exists(), "the hold before step 5", first)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    # The branch moves on: the shards are gone from main. The resumed run reads the old commit.
+    moved = hub.commit(REPO, {"README.md": b"moved"}, delete=[p for p in hub_files(tmp_path) if p.endswith(".tar")])
+    hub.reset_counts()
+    resumed = run_script("train.py", *args, "trainer.resume=auto", env=hub_env(hub, tmp_path, **{
+        "WDSDIST_TEST_TRACE": str(tmp_path / "t")}))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    old = hub.commits[REPO]
+    assert f"has moved since this run began (now {SPEC.replace(REPO, f'{REPO}@{moved}')})" in resumed.stderr
+    assert sum(tar_counts(hub.cdn_bytes).values()) > 0  # it read shards, which only the old commit has
+    ckpt = torch.load(run / "ckpt-0000008.pt", map_location="cpu", weights_only=True)
+    assert ckpt["pins"][SPEC] == SPEC.replace(REPO, f"{REPO}@{old}")
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 4
+
+
+def hub_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "made").glob("*/*.tar"))
+
+
+def test_a_gated_data_set_without_a_token_stops_the_trainer_in_one_line(hub, tmp_path):
+    hub.add_repo(GATED, files_of(tmp_path / "g"), gated=True)
+    spec = f"hf://datasets/{GATED}/train-*.tar"
+    proc = run_script(
+        "train.py", *overrides({"train": spec, "val": "null"}, tmp_path / "run"), env=hub_env(hub, tmp_path)
+    )
+    assert proc.returncode != 0
+    line = one_error_line(proc)
+    assert "data.train_shards" in line and "set HF_TOKEN" in line and f"{hub.endpoint}/datasets/{GATED}" in line

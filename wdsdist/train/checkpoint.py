@@ -205,9 +205,11 @@ def save_checkpoint(
     cfg: DictConfig,
     keep: int,
     generation: Generation,
+    pins: dict[str, str] | None = None,
 ) -> str | None:
     """Collective: every rank hands in its loader position and RNG state; rank 0 writes, unless a
-    later start of the job owns the run directory (``check_generation``)."""
+    later start of the job owns the run directory (``check_generation``). ``pins``: what each data
+    spec was read as (pins.py), taken again on a resume."""
     loaders = loader.state_dict()  # every rank's position
     rngs = distributed.all_gather_object(rng_state(dist))
     if not dist.is_main:
@@ -222,6 +224,7 @@ def save_checkpoint(
         "optimizer": opt.state_dict(),
         "rng": rngs,
         "loader": loaders,
+        "pins": dict(pins or {}),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
     name = f"ckpt-{step:07d}.pt"
@@ -261,8 +264,9 @@ class Checkpointer:
         report: Reporter,
         watchdog: Watchdog,
         generation: Generation,
+        pins: dict[str, str] | None = None,
     ):
-        self.run_dir, self.dist, self.cfg, self.generation = run_dir, dist, cfg, generation
+        self.run_dir, self.dist, self.cfg, self.generation, self.pins = run_dir, dist, cfg, generation, pins
         self.model, self.opt, self.loader = model, opt, loader
         self.report, self.watchdog = report, watchdog
         self.every = cfg.trainer.ckpt_every
@@ -275,7 +279,16 @@ class Checkpointer:
             self.watchdog.beat(step, "checkpoint")
             keep = self.cfg.trainer.keep
             self.path = save_checkpoint(
-                self.run_dir, step, self.dist, self.model, self.opt, self.loader, self.cfg, keep, self.generation
+                self.run_dir,
+                step,
+                self.dist,
+                self.model,
+                self.opt,
+                self.loader,
+                self.cfg,
+                keep,
+                self.generation,
+                self.pins,
             )
             self.saved_at = step
             self.report.line(f"checkpoint {self.path}", console=False)

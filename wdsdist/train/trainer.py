@@ -41,6 +41,7 @@ from wdsdist.train.distributed import Dist, on_all_ranks
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed
 from wdsdist.train.model import build_optimizer, seeded_model, wrap_ddp
+from wdsdist.train.pins import pin_data, pinned
 from wdsdist.train.report import Reporter, Window, done_line
 from wdsdist.train.run import Run, hparams_of, report_epoch, report_start, summarize
 
@@ -153,18 +154,19 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str], Genera
 
 
 def build_loaders(
-    cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None
+    cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None, pins: dict[str, str]
 ) -> tuple[Loader, dict[str | None, EvalLoader]]:
     """This rank's train loader (at its saved position when resuming) and eval loaders: None's
     for data.val_shards, each of data.val_sources' by its name (none: nothing to evaluate).
-    Every rank builds, and so checks, its own: a layout that would hang stops here."""
+    Every rank builds, and so checks, its own: a layout that would hang stops here. Each spec is
+    read as ``pins`` pin it (pins.py: one commit of a data set on the Hub for the whole run)."""
     loader_cfg = loader_config(cfg, dist, cfg.seed)
     d = cfg.data
     if d.sources is not None:
         # The loader expands each source's spec and names the source in its errors.
-        train_shards: Any = [Source(s.name, s.shards, s.weight, s.repeat, s.samples) for s in d.sources]
+        train_shards: Any = [Source(s.name, pinned(s.shards, pins), s.weight, s.repeat, s.samples) for s in d.sources]
     else:
-        train_shards = on_all_ranks(lambda: shards_of("data.train_shards", d.train_shards, loader_cfg))
+        train_shards = on_all_ranks(lambda: shards_of("data.train_shards", pinned(d.train_shards, pins), loader_cfg))
 
     def train_loader() -> Loader:
         loader = Loader(train_shards, loader_cfg, rank=dist.rank, world=dist.world, group=distributed.control_group())
@@ -180,6 +182,7 @@ def build_loaders(
     evals += [(s.name, source_key("val_sources", s.name), s.shards) for s in d.val_sources or ()]
     eval_loaders = {}
     for name, key, spec in evals:
+        spec = pinned(spec, pins)
         shards = on_all_ranks(lambda key=key, spec=spec: shards_of(key, spec, loader_cfg))
         eval_loaders[name] = on_all_ranks(
             lambda shards=shards: EvalLoader(shards, loader_cfg, rank=dist.rank, world=dist.world)
@@ -217,7 +220,8 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     base_lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, base_lr)
     resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir, generation.restarted)
-    train_loader, eval_loaders = build_loaders(cfg, dist, ckpt, resume_path)
+    pins = pin_data(cfg, dist, loader_config(cfg, dist, cfg.seed), ckpt, run_dir)
+    train_loader, eval_loaders = build_loaders(cfg, dist, ckpt, resume_path, pins)
     mix = train_loader.mix
     sources = tuple((s.name, s.setting) for s in mix.sources) if mix is not None else ()
     resumed_mid_epoch = ckpt is not None and cfg.loader.mode == LoaderMode.epoch and train_loader.batches_done > 0
@@ -248,7 +252,7 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
         feed=Feed(cfg, dist, train_loader, stop, report),
         window=Window(dist, [name for name, _ in sources]),
         evaluator=Evaluator(cfg, dist, model, eval_loaders, on_device, steps, report, watchdog),
-        checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation),
+        checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation, pins),
         generation=generation,
         sources=sources,
         resumed_mid_epoch=resumed_mid_epoch,

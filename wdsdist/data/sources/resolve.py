@@ -15,7 +15,8 @@ from wdsdist.errors import UserError
 
 
 def pin_spec(spec: str, access: Access) -> str:
-    """A spec pinned to what it names now (the scheme's ``pin``)."""
+    """A spec pinned to what it names now: an hf:// revision to its commit (the scheme's ``pin``);
+    a spec of another scheme is itself."""
     return schemes.of(spec.strip()).pin(spec.strip(), access)
 
 
