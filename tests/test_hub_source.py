@@ -92,6 +92,32 @@ def test_two_ranks_read_every_sample_once_in_equal_batches(hub):
     assert hub.cdn_authorization == []  # the token never leaves the Hub's own origin
 
 
+def test_without_counts_split_samples_says_to_index_and_makeshards_indexes_resumably(hub, tmp_path):
+    bare = hub.add_repo("org/bare", {k: v for k, v in files_of(tmp_path / "b", info=False).items()})
+    spec = "hf://datasets/org/bare/train-{000000..000003}.tar"
+    with pytest.raises(UserError, match=r"needs sample counts per shard .*\(makeshards.py --index\)"):
+        Loader(spec, cfg(split="samples"))
+    # A count stopped midway (here: a shard that cannot be read) goes on where it stopped.
+    from wdsdist.tools import makeshards
+
+    output = tmp_path / "bare.index.json"
+    shards = shardspec.expand(spec)
+    broken = [shards[0], shards[1], shardspec.Shard(shards[2].url.replace("train-000002", "gone")), shards[3]]
+    with pytest.raises(UserError, match="gone"):
+        makeshards.count_all(broken, str(output) + makeshards.PARTIAL)
+    hub.reset_counts()
+    made = run_script(
+        "makeshards.py", "--index", f"hf://datasets/org/bare@{bare}/train-{{000000..000003}}.tar",
+        "--output", str(output), env=hub_env(hub, tmp_path),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "2 of 4 shards counted before" in made.stderr and "indexed 4 shards, 22 samples" in made.stdout
+    assert sorted(tar_counts(hub.cdn_requests)) == ["org/bare/train-000002.tar", "org/bare/train-000003.tar"]
+    assert not Path(str(output) + makeshards.PARTIAL).exists()
+    keys = [k for b in Loader(str(output), cfg(split="samples")) for k in b["key"]]
+    assert set(keys) == {f"s{i:07d}" for i in range(22)} and len(keys) == 24  # two padding copies
+
+
 def test_an_index_in_the_data_set_is_read_at_the_pinned_commit(hub, tmp_path):
     entries = [{"url": f"train-{i:06d}.tar", "nsamples": n} for i, n in enumerate(TRAIN)]
     index = json.dumps({"__kind__": "wids-shard-index-v1", "shardlist": entries}).encode()

@@ -6,11 +6,17 @@ shards plus an index of sample counts.
   wds-makeshards --synthetic 500 --split val --shards data/synth --prefix synth-val
   wds-makeshards --index 'data/other-{000000..000009}.tar'
   wds-makeshards --index 's3://bucket/train/shard-{000000..000099}.tar' --output s3://bucket/train/train.index.json
+  wds-makeshards --index 'hf://datasets/ORG/NAME/train-{0000..0099}.tar' --output data/name.index.json
+
+--index reads each shard once, with progress; into a local --output, the counts so far are kept in
+OUTPUT.partial, so the same command run again after a stop goes on where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import sys
@@ -27,8 +33,11 @@ from wdsdist.data.sources.index import (
     local_sample_offsets,
     write_index,
 )
+from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
+
+PARTIAL = ".partial"  # beside a local --output: the counts made so far
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,11 +93,8 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_e
             raise UserError(f"--output {output}: an index in a bucket names objects, and {local} is not one")
     elif not os.path.isdir(os.path.dirname(output) or "."):
         raise UserError(f"--output {output}: no folder {os.path.dirname(output)} to write it in")
-    counts, offsets = [], []
-    for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0):
-        n = count_samples(s.url)
-        counts.append((s.url, n))
-        offsets.append(_offsets(s.url, n) if offset_every and os.path.isfile(s.url) else None)
+    counts = count_all(shards, None if upload else output + PARTIAL)
+    offsets = [_offsets(u, n) if offset_every and os.path.isfile(u) else None for u, n in counts]
     if upload:
         # One PUT after all counting: the object appears whole or not at all. Shards in its
         # folder are named relative to it, so the bucket's index works wherever it is copied.
@@ -101,6 +107,8 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_e
         outside = [e["url"] for e in desc["shardlist"] if "://" in e["url"] and s3open.bucket_url(e["url"]) != home]
     else:
         desc = write_index(output, counts, offsets=offsets, offset_every=offset_every, name=name)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(output + PARTIAL)
         outside = [e["url"] for e in desc["shardlist"] if e["url"].split(os.sep, 1)[0] == ".."]
     if outside:
         print(
@@ -109,6 +117,47 @@ def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_e
             file=sys.stderr,
         )
     return desc | {"path": output}
+
+
+def count_all(shards: list[shardspec.Shard], partial: str | None) -> list[tuple[str, int]]:
+    """Each shard's count (a shard the spec's metadata counted is taken as counted), read once
+    with a progress bar. ``partial``: a file the counts are appended to as they come, so a run
+    stopped midway (a remote data set takes hours) goes on where it stopped; lines it cannot use
+    (another spec's shards, a torn last line) are passed over."""
+    done = _counted(partial, {s.url for s in shards}) if partial else {}
+    if done:
+        print(f"note: {len(done)} of {len(shards)} shards counted before ({partial}); the rest now", file=sys.stderr)
+    out = open(partial, "a", encoding="utf-8") if partial else None  # noqa: SIM115 (closed below)
+    try:
+        for s in tqdm(shards, desc="counting", unit="shard", mininterval=1.0):
+            if s.url in done or s.nsamples is not None:
+                continue
+            done[s.url] = count_samples(s.url)
+            if out is not None:
+                out.write(json.dumps({"url": s.url, "nsamples": done[s.url]}) + "\n")
+                out.flush()
+    finally:
+        if out is not None:
+            out.close()
+    return [(s.url, s.nsamples if s.nsamples is not None else done[s.url]) for s in shards]
+
+
+def _counted(partial: str, urls: set[str]) -> dict[str, int]:
+    try:
+        with open(partial, encoding="utf-8") as f:
+            lines = f.read(64 << 20).splitlines()
+    except FileNotFoundError:
+        return {}
+    done: dict[str, int] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            url, n = entry["url"], entry["nsamples"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if url in urls and isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_SHARD_SAMPLES:
+            done[url] = n
+    return done
 
 
 def _offsets(path: str, nsamples: int) -> list[int] | None:
