@@ -34,6 +34,7 @@ _EXPORTS = {
     "dist_layout": ("wdsdist.data.loader", "dist_layout"),
     "expand_shards": ("wdsdist.data.delivery.pipeline", "expand_shards"),
     "option_problems": ("wdsdist.data.options", "option_problems"),
+    "pin_spec": ("wdsdist.data.sources.resolve", "pin_spec"),
 }
 __all__ = [
     "CACHE_COUNTS",
@@ -55,6 +56,7 @@ __all__ = [
     "dist_layout",
     "expand_shards",
     "option_problems",
+    "pin_spec",
 ]
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     )
     from wdsdist.data.plan.splits import Plan
     from wdsdist.data.sources.cache import CACHE_COUNTS
+    from wdsdist.data.sources.resolve import pin_spec
     from wdsdist.data.sources.shard import Shard
     from wdsdist.errors import DataError, UserError
 

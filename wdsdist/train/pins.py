@@ -12,8 +12,7 @@ import os
 
 from omegaconf import DictConfig
 
-from wdsdist.data import LoaderConfig
-from wdsdist.data.sources.resolve import pin_spec
+from wdsdist.data import LoaderConfig, pin_spec
 from wdsdist.errors import UserError
 from wdsdist.train import distributed
 from wdsdist.train.checkpoint import write_text

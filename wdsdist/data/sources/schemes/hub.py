@@ -111,7 +111,7 @@ def expand(spec: str, access: Access, strict: bool) -> list[Shard]:
     at = ref.rev if ref.pinned else f"{ref.rev} = commit {commit[:12]}"
     known = sum(p in counts for p in paths)
     said = f"sample counts of {known} from {info}" if info else "no sample counts in the data set's metadata"
-    log.info("hf://datasets/%s@%s: %d shards, %s", ref.repo, at, len(paths), said)
+    log.debug("hf://datasets/%s@%s: %d shards, %s", ref.repo, at, len(paths), said)
     return [Shard(ref.url(p, commit), counts.get(p)) for p in paths]
 
 
