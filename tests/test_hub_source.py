@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,9 +221,11 @@ def test_a_resume_after_kill_9_reads_the_commit_the_run_began_with(hub, tmp_path
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        from tests.test_faults_train import wait_for
-
-        wait_for(lambda: (tmp_path / "hold.g1.rank-0").exists(), "the hold before step 5", first)
+        held = tmp_path / "hold.g1.rank-0"
+        deadline = time.monotonic() + 120
+        while not held.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the trainer's own signal, not a pause
+        assert held.exists(), f"the job did not reach the hold before step 5 (rc {first.poll()})"
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
@@ -253,3 +256,26 @@ def test_a_gated_data_set_without_a_token_stops_the_trainer_in_one_line(hub, tmp
     assert proc.returncode != 0
     line = one_error_line(proc)
     assert "data.train_shards" in line and "set HF_TOKEN" in line and f"{hub.endpoint}/datasets/{GATED}" in line
+
+
+def test_the_imagenet_hf_experiment_reads_a_stand_in_of_timm_imagenet_with_counts_and_no_shard_read(
+    hub, tmp_path, monkeypatch
+):
+    from tests.helpers import hubdata
+    from tests.helpers.config import compose_config
+    from wdsdist.train import config
+
+    cfg = compose_config(["+experiment=imagenet_hf"])
+    config.check(cfg)
+    assert (cfg.loader.mode.value, cfg.loader.shard_order, cfg.trainer.epochs, cfg.model.name) == (
+        "epoch", "node", 90, "resnet50",
+    )  # fmt: skip
+    hubdata.write(tmp_path / "imagenet", per_shard=1, size=8)
+    hub.add_repo("timm/imagenet-1k-wds", tmp_path / "imagenet", gated=True)
+    hub.grant("hf_mine", "timm/imagenet-1k-wds")
+    monkeypatch.setenv("HF_TOKEN", "hf_mine")
+    train = shardspec.expand(cfg.data.train_shards)
+    val = shardspec.expand(cfg.data.val_shards)
+    assert (len(train), len(val), {s.nsamples for s in train + val}) == (1024, 64, {1})
+    assert train[-1].url.endswith("/imagenet1k-train-1023.tar") and "@" in train[-1].url
+    assert tar_counts(hub.cdn_requests) == {}
