@@ -160,7 +160,7 @@ def errors_cases(hub) -> list[tuple[str, str | None, str]]:
         (gated, "hf_other", f"this token has no access to it: ask for access at {page}"),
         ("hf://datasets/org/nope/train-000000.tar", None, "no data set org/nope on http://127.0.0.1"),
         (f"hf://datasets/{REPO}@v9/train-000000.tar", None, "org/tiny has no revision 'v9'"),
-        (f"hf://datasets/{REPO}/train-000009.tar", None, r"no file of it is in hf://datasets/org/tiny@main \(commit"),
+        (f"hf://datasets/{REPO}/train-000009.tar", None, r"matches no file in hf://datasets/org/tiny@main \(commit"),
         ("hf://datasets/org", None, "an hf:// shard spec is hf://datasets/ORG/NAME"),
     ]  # fmt: skip
 

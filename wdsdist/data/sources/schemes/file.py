@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 import braceexpand
@@ -23,29 +23,36 @@ RANGED = False
 
 
 def expand(spec: str, access: Access, strict: bool) -> list[Shard]:
-    """The files a brace pattern or glob names. Some missing are an error when ``strict``, else a
-    warning; none at all is always an error."""
-    urls = list(braceexpand.braceexpand(spec))
-    shards: list[Shard] = []
+    """The files a brace pattern or glob names (see ``matching``)."""
+    names = list(braceexpand.braceexpand(spec))
+    return [Shard(p) for p in matching(spec, names, lambda g: sorted(glob.glob(g)), os.path.exists, strict)]
+
+
+def matching(
+    spec: str,
+    names: list[str],
+    glob_of: Callable[[str], list[str]],
+    exists: Callable[[str], bool],
+    strict: bool,
+    where: str = "",
+) -> list[str]:
+    """What a spec's brace-expanded ``names`` find: a glob's matches, a plain name where it exists.
+    Some missing are an error when ``strict``, else a warning; none at all is always an error.
+    ``where`` (" in PLACE") says where they were looked for, when not on this machine."""
+    found: list[str] = []
     missing: list[str] = []
-    for u in urls:
-        if glob.has_magic(u):
-            matches = sorted(glob.glob(u))
-            if not matches:
-                missing.append(u)
-            shards.extend(Shard(m) for m in matches)
-        elif os.path.exists(u):
-            shards.append(Shard(u))
-        else:
-            missing.append(u)
-    if missing and not shards:
-        raise UserError(f"shard spec {spec!r} matches no file")
+    for name in names:
+        matches = glob_of(name) if glob.has_magic(name) else [name] if exists(name) else []
+        found += matches
+        missing += [] if matches else [name]
+    if missing and not found:
+        raise UserError(f"shard spec {spec!r} matches no file{where}")
     if missing:
-        message = f"shard spec {spec!r}: {len(missing)} of {len(urls)} shards do not exist, first {missing[0]}"
+        message = f"shard spec {spec!r}: {len(missing)} of {len(names)} shards do not exist{where}, first {missing[0]}"
         if strict:
             raise UserError(message)
         log.warning("%s; going on without them", message)
-    return shards
+    return found
 
 
 def pin(url: str, access: Access) -> str:
@@ -64,6 +71,12 @@ def open_range(url: str, access: Access, start: int, end: int | None) -> IO[byte
         stream = wds.gopen(url, "rb")
     else:
         stream = open(url, "rb", buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+    return from_byte(stream, start)
+
+
+def from_byte(stream: IO[bytes], start: int) -> IO[bytes]:
+    """``stream`` past its first ``start`` bytes (a seek where it can, else read and dropped);
+    closed if that fails."""
     if start:
         try:
             skip_bytes(stream, start, seek_above=0)

@@ -34,6 +34,7 @@ import braceexpand
 from wdsdist.data.sources import httpopen
 from wdsdist.data.sources.access import Access
 from wdsdist.data.sources.schemes import hubapi
+from wdsdist.data.sources.schemes.file import matching
 from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES, Shard
 from wdsdist.errors import UserError
 
@@ -122,27 +123,13 @@ def _fixed_folder(path: str) -> str:
 
 
 def _matching(spec: str, ref: Ref, commit: str, listing: dict[str, Any], strict: bool) -> list[str]:
-    """The pattern's files, each there at ``commit``: missing ones an error (``strict``) or a warning."""
-    found: list[str] = []
-    missing: list[str] = []
-    for path in braceexpand.braceexpand(ref.path):
-        if any(c in path for c in "*?["):
-            matches = sorted(p for p in listing if fnmatch.fnmatchcase(p, path))
-            found += matches
-            missing += [] if matches else [path]
-        elif path in listing:
-            found.append(path)
-        else:
-            missing.append(path)
-    where = f"hf://datasets/{ref.repo}@{ref.rev}" + ("" if ref.pinned else f" (commit {commit[:12]})")
-    if missing and not found:
-        raise UserError(f"shard spec {spec!r}: no file of it is in {where}, first {missing[0]!r}")
-    if missing:
-        message = f"shard spec {spec!r}: {len(missing)} files are not in {where}, first {missing[0]!r}"
-        if strict:
-            raise UserError(message)
-        log.warning("%s; going on without them", message)
-    return found
+    """The pattern's files, each there at ``commit`` (file.matching: missing ones an error or a warning)."""
+    where = f" in hf://datasets/{ref.repo}@{ref.rev}" + ("" if ref.pinned else f" (commit {commit[:12]})")
+
+    def glob_of(pattern: str) -> list[str]:
+        return sorted(p for p in listing if fnmatch.fnmatchcase(p, pattern))
+
+    return matching(spec, list(braceexpand.braceexpand(ref.path)), glob_of, listing.__contains__, strict, where)
 
 
 def _info_counts(

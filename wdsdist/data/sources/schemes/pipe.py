@@ -11,8 +11,8 @@ import braceexpand
 import webdataset as wds
 
 from wdsdist.data.sources.access import Access
+from wdsdist.data.sources.schemes.file import from_byte
 from wdsdist.data.sources.shard import Shard
-from wdsdist.data.tar.tarread import skip_bytes
 from wdsdist.errors import DataError, UserError
 
 PREFIXES = ("pipe:", "ais://")
@@ -39,14 +39,7 @@ def check(shards: Sequence[Shard], access: Access) -> None:
 def open_range(url: str, access: Access, start: int, end: int | None) -> IO[bytes]:
     if url.startswith("pipe:") and not access.allow_pipe:
         raise DataError(f"{url}: pipe: URLs are refused (allow_pipe is false)")
-    stream = wds.gopen(url, "rb")
-    if start:
-        try:
-            skip_bytes(stream, start, seek_above=0)
-        except BaseException:
-            stream.close()
-            raise
-    return stream
+    return from_byte(wds.gopen(url, "rb"), start)
 
 
 def read_capped(url: str, access: Access, limit: int) -> bytes:
