@@ -279,3 +279,18 @@ def test_the_imagenet_hf_experiment_reads_a_stand_in_of_timm_imagenet_with_count
     assert (len(train), len(val), {s.nsamples for s in train + val}) == (1024, 64, {1})
     assert train[-1].url.endswith("/imagenet1k-train-1023.tar") and "@" in train[-1].url
     assert tar_counts(hub.cdn_requests) == {}
+
+
+def test_a_resume_keeps_its_pin_when_the_hub_cannot_be_asked(hub, monkeypatch, caplog):
+    from wdsdist.data import LoaderConfig
+    from wdsdist.train import pins
+
+    pinned = SPEC.replace(REPO, f"{REPO}@{hub.commits[REPO]}")
+    config = LoaderConfig(batch_size=4, http_retry_s=0)
+    assert pins._pin_one("data.train_shards", SPEC, None, config) == pinned
+    hub.stop()  # the Hub is gone: a resume reads what it began with, a new run cannot start
+    assert pins._pin_one("data.train_shards", SPEC, pinned, config) == pinned
+    assert f"data.train_shards: {SPEC}: {hub.endpoint} did not answer" in caplog.text
+    with pytest.raises(UserError, match=f"^data.train_shards: {SPEC}: {hub.endpoint} did not answer") as err:
+        pins._pin_one("data.train_shards", SPEC, None, config)
+    assert "\n" not in str(err.value)

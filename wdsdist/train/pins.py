@@ -33,27 +33,33 @@ def data_specs(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def _pin_all(cfg: DictConfig, loader_cfg: LoaderConfig, recorded: dict[str, str]) -> dict[str, str]:
-    """{part: pinned part} of every spec's ``::`` parts that pin to something else; a part pinned
-    before (``recorded``, a resumed run's) keeps its pin, with a line if its revision moved since."""
+    """{part: pinned part} of every spec's ``::`` parts that pin to something else."""
     pins: dict[str, str] = {}
     for key, spec in data_specs(cfg):
         for part in (p.strip() for p in spec.split("::")):
-            if not part or part in pins:
-                continue
-            try:
-                now = pin_spec(part, loader_cfg.access)
-            except UserError as exc:
-                raise UserError(f"{key}: {exc}") from None
-            before = recorded.get(part)
-            if before is not None and before != now:
-                log.warning(
-                    "%s: %s has moved since this run began (now %s); reading %s, as the run began",
-                    key, part, now, before,
-                )  # fmt: skip
-            if (before or now) != part:
-                pins[part] = before or now
-                log.info("%s: %s read as %s", key, part, pins[part])
+            if part and part not in pins:
+                pinned_part = _pin_one(key, part, recorded.get(part), loader_cfg)
+                if pinned_part != part:
+                    pins[part] = pinned_part
+                    log.info("%s: %s read as %s", key, part, pinned_part)
     return pins
+
+
+def _pin_one(key: str, part: str, before: str | None, loader_cfg: LoaderConfig) -> str:
+    """What ``part`` pins to now; a part pinned before (``before``, a resumed run's) keeps its pin,
+    with a line if its revision has moved since, or if the Hub cannot say (the run can go on from
+    the node cache)."""
+    try:
+        now = pin_spec(part, loader_cfg.access)
+    except UserError as exc:
+        if before is None:
+            raise UserError(f"{key}: {exc}") from None
+        log.warning("%s: %s; reading %s, as the run began", key, exc, before)
+        return before
+    if before is not None and before != now:
+        moved = "%s: %s has moved since this run began (now %s); reading %s, as the run began"
+        log.warning(moved, key, part, now, before)
+    return before or now
 
 
 def pin_data(cfg: DictConfig, dist: Dist, loader_cfg: LoaderConfig, ckpt: dict | None, run_dir: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import posixpath
 import re
 import threading
@@ -87,7 +88,7 @@ def pin(url: str, access: Access) -> str:
     hubapi.require(url)
     try:
         return ref.url(rev=_commit(ref, access))
-    except hubapi.HubError as exc:
+    except hubapi.FAILED as exc:
         raise UserError(f"{url}: {exc}") from None
 
 
@@ -107,7 +108,7 @@ def expand(spec: str, access: Access, strict: bool) -> list[Shard]:
         # every shard in every worker later (its listing is public).
         _locate(ref.url(paths[0], commit), access, access.http_retry_s)
         counts, info = _info_counts(ref, commit, folder, listing, access)
-    except hubapi.HubError as exc:
+    except hubapi.FAILED as exc:
         raise UserError(f"{spec}: {exc}") from None
     at = ref.rev if ref.pinned else f"{ref.rev} = commit {commit[:12]}"
     known = sum(p in counts for p in paths)
@@ -154,7 +155,7 @@ def _info_counts(
 def _exists(ref: Ref, commit: str, name: str, access: Access) -> bool:
     try:
         hubapi.locate(ref.repo, commit, name, access.http_timeout, access.http_retry_s)
-    except hubapi.HubError:
+    except hubapi.FAILED:
         return False
     return True
 
@@ -195,6 +196,16 @@ def check(shards: Sequence[Shard], access: Access) -> None:
 
 _located: dict[tuple[str, str], hubapi.Located] = {}  # (endpoint, URL) -> where its bytes are
 _lock = threading.Lock()
+
+
+def _fresh_lock_after_fork() -> None:
+    # A forked child (a DataLoader worker) keeps what its parent resolved, but not a lock another
+    # parent thread may have held at the fork.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 def _locate(url: str, access: Access, budget: float, fresh: bool = False) -> hubapi.Located:

@@ -38,6 +38,9 @@ class HubBusy(Unavailable):
     """A rate limit (429) or a server error: a later try may succeed."""
 
 
+FAILED = (HubError, HubBusy)  # what a Hub request raises when it did not get its answer
+
+
 def require(url: str = "hf://") -> Any:
     """huggingface_hub, or one line naming the extra that brings it."""
     try:
