@@ -183,8 +183,9 @@ def files(repo: str, commit: str, folder: str, timeout: float, budget: float) ->
 
 
 def locate(repo: str, commit: str, path: str, timeout: float, budget: float) -> Located:
-    """Where ``path``'s bytes at ``commit`` are: one request to the Hub's resolver, which answers a
-    redirect to a signed CDN address (or, for a small file, the file itself)."""
+    """Where ``path``'s bytes at ``commit`` (or a branch, unpinned) are: one request to the Hub's
+    resolver, which answers a redirect to a signed CDN address (or, for a small file, the file
+    itself); a Hub that answers for another commit than the one asked for is refused."""
     hf = require()
     ep = endpoint()
     url = hf.hf_hub_url(repo, path, repo_type="dataset", revision=commit, endpoint=ep)
@@ -193,7 +194,7 @@ def locate(repo: str, commit: str, path: str, timeout: float, budget: float) -> 
         return hf.get_hf_file_metadata(url, timeout=timeout, endpoint=ep, retry_on_errors=False)
 
     meta = call(head, repo, commit, budget, path)
-    if meta.commit_hash and meta.commit_hash != commit:
+    if meta.commit_hash and len(commit) == 40 and meta.commit_hash != commit:
         raise HubError(f"{repo}: asked for {path} at {commit}, the Hub sent commit {meta.commit_hash}")
     token = hf.get_token()
     own = _origin(meta.location) == _origin(ep)
