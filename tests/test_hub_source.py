@@ -93,6 +93,15 @@ def test_two_ranks_read_every_sample_once_in_equal_batches(hub):
     assert hub.cdn_authorization == []  # the token never leaves the Hub's own origin
 
 
+def test_shards_named_at_a_branch_read_as_the_branch_is_now(hub):
+    shards = [
+        shardspec.Shard(f"hf://datasets/{REPO}/train-000000.tar", 5),
+        shardspec.Shard(f"hf://datasets/{REPO}@main/train-000001.tar", 7),
+    ]
+    keys = [k for b in Loader(shards, cfg(batch_size=12, split="samples")) for k in b["key"]]
+    assert sorted(keys) == [f"s{i:07d}" for i in range(12)]
+
+
 def test_without_counts_split_samples_says_to_index_and_makeshards_indexes_resumably(hub, tmp_path):
     bare = hub.add_repo("org/bare", {k: v for k, v in files_of(tmp_path / "b", info=False).items()})
     spec = "hf://datasets/org/bare/train-{000000..000003}.tar"
