@@ -154,13 +154,17 @@ def prepare_run_dir(cfg: DictConfig, dist: Dist) -> tuple[str, list[str], Genera
 
 
 def build_loaders(
-    cfg: DictConfig, dist: Dist, ckpt: dict | None, resume_path: str | None, pins: dict[str, str]
+    cfg: DictConfig,
+    dist: Dist,
+    loader_cfg: LoaderConfig,
+    ckpt: dict | None,
+    resume_path: str | None,
+    pins: dict[str, str],
 ) -> tuple[Loader, dict[str | None, EvalLoader]]:
     """This rank's train loader (at its saved position when resuming) and eval loaders: None's
     for data.val_shards, each of data.val_sources' by its name (none: nothing to evaluate).
     Every rank builds, and so checks, its own: a layout that would hang stops here. Each spec is
     read as ``pins`` pin it (pins.py: one commit of a data set on the Hub for the whole run)."""
-    loader_cfg = loader_config(cfg, dist, cfg.seed)
     d = cfg.data
     if d.sources is not None:
         # The loader expands each source's spec and names the source in its errors.
@@ -220,8 +224,9 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     base_lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, base_lr)
     resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir, generation.restarted)
-    pins = pin_data(cfg, dist, loader_config(cfg, dist, cfg.seed), ckpt, run_dir)
-    train_loader, eval_loaders = build_loaders(cfg, dist, ckpt, resume_path, pins)
+    loader_cfg = loader_config(cfg, dist, cfg.seed)
+    pins = pin_data(cfg, dist, loader_cfg, ckpt, run_dir)
+    train_loader, eval_loaders = build_loaders(cfg, dist, loader_cfg, ckpt, resume_path, pins)
     mix = train_loader.mix
     sources = tuple((s.name, s.setting) for s in mix.sources) if mix is not None else ()
     resumed_mid_epoch = ckpt is not None and cfg.loader.mode == LoaderMode.epoch and train_loader.batches_done > 0
