@@ -140,12 +140,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _write(self, body: bytes, key: str | None) -> None:
         cut = self.server.hub._take_cut() if key is not None else None
         out = body if cut is None else body[:cut]
+        # Counted before the bytes leave, so a client that has read them sees them counted.
+        if key is not None:
+            self.server.hub._count("cdn_bytes", key, len(out))
         try:
             self.wfile.write(out)
         except OSError:
-            out = b""
-        if key is not None:
-            self.server.hub._count("cdn_bytes", key, len(out))
+            if key is not None:
+                self.server.hub._count("cdn_bytes", key, -len(out))
         if cut is not None:
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
