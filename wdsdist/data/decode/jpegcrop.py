@@ -5,7 +5,7 @@ uniform in [0.08, 1]), yet torchvision decodes all of it. ``jpegcrop.c`` asks li
 for the region alone: rows above it are only entropy-decoded, columns beside it are not
 transformed, rows below it are not read (a progressive JPEG is read whole first). The pixels
 equal a whole decode's (tests check it bit for bit), and the random draws are torchvision's
-own (``make_params`` of the same ``v2.RandomResizedCrop``), so one seed gives the same images
+own (those of the same ``v2.RandomResizedCrop``'s ``make_params``, draws.py), so one seed gives the same images
 with or without this module, also where libjpeg refuses a file and torchvision decodes it.
 Damage that lies wholly below the crop goes unnoticed, except a file cut short: only JPEGs
 that end with their end-of-image marker are region-decoded.
@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
+
+from wdsdist.data.decode.draws import CropDraw
 
 SOURCE = Path(__file__).with_name("jpegcrop.c")
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -211,6 +213,7 @@ class CropDecoder:
 
     def __init__(self, lib: ctypes.CDLL, crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, downscale: bool):
         self.lib, self.crop, self.flip, self.downscale = lib, crop, flip, downscale
+        self.draw = CropDraw(crop, flip)  # (width, height) -> (crop, flip), as the v2 transforms draw them
         self._msg = ctypes.create_string_buffer(_MSG_LEN)
 
     @staticmethod
@@ -233,11 +236,6 @@ class CropDecoder:
                 if height // denom >= out_h and width // denom >= out_w:
                     return denom
         return 1
-
-    def draw(self, width: int, height: int) -> tuple[dict, bool]:
-        """The crop and the flip for an image of width x height, drawn as the v2 transforms draw
-        them: the crop's ``make_params``, then the flip's one ``torch.rand(1) < p``."""
-        return draw_crop(self.crop, self.flip, width, height)
 
     def region_of(self, width: int, height: int, p: dict) -> tuple[int, int, int, int, int]:
         """(denom, x, y, w, h): the region of a ``width`` x ``height`` image that the crop ``p`` (from
@@ -269,15 +267,6 @@ class CropDecoder:
         """``draw`` then ``render``: the random draws stay those of the transform (and every later
         sample's with them), also where torchvision decodes the file."""
         return self.render(data, width, height, self.draw(width, height), whole)
-
-
-def draw_crop(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, width: int, height: int) -> tuple[dict, bool]:
-    """The crop and the flip for an image of width x height, drawn as the v2 transforms draw
-    them: the crop's ``make_params``, then the flip's one ``torch.rand(1) < p``. The one draw of
-    the region decode, of decode=gpu's workers (gpu.py) and, inside the transforms, of a whole decode."""
-    # Only the size matters to make_params: a zero-stride tensor of that shape costs nothing.
-    p = crop.make_params([torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, height, width)])
-    return p, bool(torch.rand(1) < flip.p)
 
 
 def region(lib: ctypes.CDLL, data: bytes, x: int, y: int, w: int, h: int, denom: int = 1, msg=None) -> torch.Tensor:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wdsdist.data.decode.jpegcrop import crop_decoder, draw_crop
+from wdsdist.data.decode.draws import CropDraw
+from wdsdist.data.decode.jpegcrop import crop_decoder
 from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import batched, collate
 from wdsdist.data.delivery.sharedbatches import SharedBatches
@@ -373,7 +374,7 @@ class ShardStream(IterableDataset):
         transform = make_transform(cfg)
         crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
         # decode=gpu: JPEGs leave undecoded with their draws (decode/gpu.py)
-        draw = functools.partial(draw_crop, *transform.transforms) if cfg.decode == "gpu" else None
+        draw = CropDraw(*transform.transforms) if cfg.decode == "gpu" else None
         prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw)
         shared = self.shared if info else None
         if shared is not None:
