@@ -1,7 +1,9 @@
 """What the loader sets up in its DataLoader worker processes, and at the trainer's exit.
 
-Workers keep a fixed malloc threshold (a persistent worker stays flat), leave SIGTERM to the
-trainer and die with it; each skipped shard or sample is one warning line, up to a limit.
+Workers keep a fixed malloc threshold (a persistent worker stays flat), are forked with the
+parent's objects out of the garbage collector's reach (they share its pages, and keep sharing
+them), leave SIGTERM to the trainer and die with it; each skipped shard or sample is one warning
+line, up to a limit.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing
 import signal
 import sys
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,31 @@ def pin_malloc_threshold(nbytes: int = 1 << 20) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to pin
+
+
+@contextlib.contextmanager
+def forking_frozen() -> Iterator[None]:
+    """Start DataLoader workers inside this: what the process holds is frozen for the garbage
+    collector (``gc.freeze``) while they fork, and thawed again in this process afterwards.
+
+    A forked worker shares its parent's pages until it writes one. Its garbage collector writes
+    into every object it tracks, so its first full collection copies the parent's whole Python
+    heap (torch, torchvision and what they import: about 80 MB here) into each worker, and the
+    parent's own collection does the same in the parent: a loader's memory grows by that much
+    per process some hundred batches in (bench/results/2026-11-28-cpu-loader.md). Frozen, the
+    inherited objects are never collected in a worker (they are its parent's, alive there), so
+    the pages stay shared; this process collects them again as before. Python's documentation
+    of ``gc.freeze`` recommends it for this case. A caller that froze objects itself keeps its
+    own freezing as it is.
+    """
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 def warn_skip(error: Exception, limit: int = 20) -> None:
