@@ -33,9 +33,7 @@ its own format once (cached under the data set's folder, peers/NAME/). Work: Ran
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
-import itertools
 import json
 import multiprocessing
 import os
@@ -43,7 +41,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import peervenv  # noqa: E402  (bench/, beside this file)
+from memory import TreeMemory, evict_libraries  # noqa: E402
 
 NCLASSES = 10
 CONTENDERS = (
@@ -206,102 +204,6 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
     raise ValueError(name)
 
 
-class TreeMemory:
-    """Memory of this process plus all its descendants (the DataLoader workers).
-
-    ``peak_rss``: the summed RSS, sampled every 50 ms from /proc/PID/statm, which the kernel
-    answers from counters. The sampler runs in the measured process, and its CPU time counts in
-    the row's CPU per sample: so it keeps each process's statm open (a read: 1.5 us) and walks
-    the tree for new processes only every ``WALK`` samples. Sampling every 20 ms, opening the
-    files and walking the tree each time, it took 29 ms of CPU a second here (1.4 % of two
-    cores, which the bare loops (d) and (e) do not pay); now 4.5 ms.
-
-    ``pss()``: the summed PSS, in which pages shared between the main process and its forked
-    workers (torch's libraries, mostly) count once in all rather than once per process; it needs
-    /proc/PID/smaps_rollup, which walks the page tables (17-24 ms a process here), so it is read
-    only outside the timed window. Sampling smaps_rollup every 20 ms during the run took most of
-    a core and halved the loader's measured rate.
-    """
-
-    def __init__(self, interval: float = 0.05):
-        self.peak_rss, self.interval, self._stop = 0, interval, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _tree() -> list[int]:
-        pids, todo = [], [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            try:
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{tid}/children") as f:
-                        todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                continue  # it ended meanwhile
-        return pids
-
-    def _sum(self, name: str, parse) -> int:
-        """A /proc/PID/NAME figure summed over the tree (processes that end meanwhile count 0)."""
-        total = 0
-        for pid in self._tree():
-            try:
-                with open(f"/proc/{pid}/{name}") as f:
-                    total += parse(f)
-            except (OSError, IndexError, ValueError, StopIteration):
-                pass
-        return total
-
-    def cpu(self) -> float:
-        """CPU seconds (user + system) used so far by the tree: its live processes (all their
-        threads) and the children they reaped (the workers of a loader's past epochs). Per sample,
-        it holds on a busy machine where wall time does not: another tenant's load stretches a
-        loader's wall time, not the CPU time its work takes."""
-        tick = os.sysconf("SC_CLK_TCK")
-        # /proc/PID/stat fields 14-17 (utime, stime, cutime, cstime), counted after the ")" that
-        # ends the command name. A child's time moves into cutime when reaped: counted once.
-        return self._sum("stat", lambda f: sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))) / tick
-
-    def pss(self) -> int:
-        return self._sum("smaps_rollup", lambda f: next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:")))
-
-    WALK = 4  # samples between two walks of the tree (a worker started meanwhile waits 0.2 s at most)
-
-    def _run(self) -> None:
-        statm: dict[int, int] = {}  # pid -> its /proc/PID/statm, open
-        try:
-            for tick in itertools.count():
-                if tick % self.WALK == 0:
-                    pids = set(self._tree())
-                    for pid in statm.keys() - pids:
-                        os.close(statm.pop(pid))
-                    for pid in pids - statm.keys():
-                        with contextlib.suppress(OSError):  # it ended meanwhile
-                            statm[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-                total = 0
-                for pid, fd in list(statm.items()):
-                    try:
-                        total += int(os.pread(fd, 128, 0).split()[1]) * self._page
-                    except (OSError, IndexError, ValueError):  # it ended (and its pid may be reused)
-                        os.close(statm.pop(pid))
-                self.peak_rss = max(self.peak_rss, total)
-                if self._stop.is_set():
-                    return
-                time.sleep(self.interval)  # cheaper than Event.wait's timed lock (a third less CPU here)
-        finally:
-            for fd in statm.values():
-                os.close(fd)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: bool = False) -> dict:
     """Single-core rate of decode + RandomResizedCrop + flip with no loader: torchvision's whole
     decode (the limit every loader here shares), or with ``region`` ours (jpegcrop: only the
@@ -432,6 +334,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
                     break
         end, cpu_end = time.perf_counter(), mem.cpu()
         pss = mem.pss()  # after the clock stopped, with the loader and its workers still alive
+        account = mem.account()
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
@@ -441,20 +344,25 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         "cpu_ms_per_sample": (cpu_end - cpu_from) * 1000 / (batches * batch),
         "peak_rss_mb": mem.peak_rss / 2**20,
         "pss_mb": pss / 2**20,
+        "pss_account": account,  # per process, the main one first
     }
 
 
 # ---------------------------------------------------------------- the report
 
 
-def run_contender(name: str, dataset: str, args: argparse.Namespace) -> dict:
-    """One contender in a fresh subprocess (the peers in .bench-venv's Python); on failure
+def run_contender(name: str, dataset: str, args: argparse.Namespace, tree: Path = ROOT) -> dict:
+    """One contender in a fresh subprocess (the peers in .bench-venv's Python), with wdsdist
+    imported from ``tree`` (--against: another commit's worktree); on failure
     ``{"error": its last line of stderr}``, the whole stderr printed."""
     python = str(peervenv.python()) if name in PEERS else sys.executable
     cmd = [python, __file__, "--run", name, "--set", dataset, "--images", str(args.images)]
     cmd += ["--workers", str(args.workers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     cmd += ["--batches", str(args.batches), "--limit-seconds", str(args.limit_seconds), "--data", args.data]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd += ["--tree", str(tree)]
+    if hasattr(os, "posix_fadvise") and not args.keep_page_cache:
+        evict_libraries(python)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tree)))
     return outcome(out)
 
 
@@ -497,7 +405,20 @@ def parse_args() -> argparse.Namespace:
         default="noise",
         help="noise: textured noise; photos: crops of packaged photographs (needs .bench-venv); default %(default)s",
     )
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        help="ours and its own work (e) at this checkout against commit REV (a temporary worktree, the same "
+        "venv), interleaved over --repeat rounds; prints each figure as new / old (bench/against.py)",
+    )
+    p.add_argument(
+        "--keep-page-cache",
+        action="store_true",
+        help="leave the venvs' libraries in the page cache between contenders (each contender's PSS then "
+        "depends on how the cache got their pages; by default they are dropped before each run)",
+    )
     p.add_argument("--run", choices=CONTENDERS + PEERS, help=argparse.SUPPRESS)  # internal: one contender
+    p.add_argument("--tree", help=argparse.SUPPRESS)  # internal: the checkout whose wdsdist it runs
     p.add_argument("--set", choices=DATASETS, default="noise", help=argparse.SUPPRESS)  # internal: its data set
     p.add_argument("--convert", choices=PEERS, help=argparse.SUPPRESS)  # internal: one peer's format, once
     return p.parse_args()
@@ -615,6 +536,15 @@ def write_json(
 
 def main() -> int:
     args = parse_args()
+    if args.tree:
+        sys.path.insert(0, args.tree)  # this contender's wdsdist (--against: the other commit's)
+    if args.against:
+        import against
+
+        if args.dataset != "noise":
+            peervenv.ensure()  # the photographs come from packages in .bench-venv
+
+        return against.run(args, lambda ds: prepare(data_folder(args, ds), args.images, ds), run_contender)
     if args.run or args.convert:
         info = prepare(data_folder(args, args.set), args.images, args.set)
         if args.convert:

@@ -9,6 +9,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 from conftest import ROOT, one_error_line, run_script
 from PIL import Image
 
@@ -161,3 +162,96 @@ def test_spdls_crop_draw_is_random_resized_crops():
             assert 0 <= x <= width - w and 0 <= y <= height - h and w > 0 and h > 0
             assert 0.07 <= w * h / (width * height) <= 1.0 and 0.7 <= w / h <= 1.4
     assert peers.crop_params(1000, 10, random.Random(0)) == (493, 0, 13, 10)  # no try fits: the centre, at 4/3
+
+
+# ---------------------------------------------------------------- two commits side by side (bench/against.py)
+
+
+def bench_module():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))  # bench.py imports its neighbours by name
+    return load("bench"), load("against")
+
+
+def test_against_names_a_commit_that_does_not_exist_in_one_line():
+    proc = run_script("bench/bench.py", "--against", "no-such-rev-000")
+    assert proc.returncode != 0
+    assert "no-such-rev-000" in one_error_line(proc) and "no such commit" in one_error_line(proc)
+
+
+def test_against_table_gives_each_figure_new_over_old_with_its_spread():
+    _, against = bench_module()
+
+    def round_(rate, work, pss, workers_pss):
+        account = [{"pss": pss - workers_pss, "anon": 1, "file": 2, "shmem": 0, "private": 3}]
+        account += [{"pss": workers_pss / 2, "anon": 1, "file": 2, "shmem": 0, "private": 3}] * 2
+        ours = {"samples_per_s": rate, "pss_mb": pss, "first_batch_s": 0.1, "pss_account": account}
+        return {"ours": ours, "ours-work": {"samples_per_s": work}}
+
+    rounds = {
+        "new": [round_(900, 1000, 800, 300), round_(880, 1000, 810, 310), round_(950, 1000, 790, 290)],
+        "old": [round_(800, 1000, 1000, 400), round_(780, 1000, 990, 410), round_(810, 1000, 1010, 390)],
+    }
+    text, medians = against.table("noise", rounds, {"new": "abc+", "old": "def"})
+    assert medians["samples/s"]["new"] == 900 and medians["samples/s"]["old"] == 800
+    assert medians["ours / own work"]["new"] == 0.9
+    assert medians["  workers, all"]["old"] == 400
+    line = next(ln for ln in text.splitlines() if ln.startswith("samples/s"))
+    assert "900 (880-950)" in line and "800 (780-810)" in line and line.endswith("1.125")
+    assert next(ln for ln in text.splitlines() if ln.startswith("PSS, MB")).endswith("0.800")
+
+
+def test_against_removes_its_worktree_however_the_run_ends():
+    import subprocess
+
+    _, against = bench_module()
+    commit = against.resolve("HEAD")
+    try:
+        with against.worktree(commit) as tree:
+            assert (tree / "wdsdist" / "data" / "__init__.py").exists()
+            made = tree
+            raise RuntimeError("a contender failed")
+    except RuntimeError:
+        pass
+    assert not made.exists()
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert str(made) not in listed
+
+
+def test_the_library_pages_of_a_contenders_venv_are_dropped_from_the_cache(tmp_path):
+    memory = load("memory")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib" / "site-packages" / "torch" / "lib").mkdir(parents=True)
+    for name in ("libtorch.so", "libz.so.1", "mod.cpython-311.so"):
+        (tmp_path / "lib" / "site-packages" / "torch" / "lib" / name).write_bytes(b"\0" * 8192)
+    (tmp_path / "lib" / "site-packages" / "torch" / "README").write_text("not a library")
+    assert memory.evict_libraries(str(tmp_path / "bin" / "python")) == 3
+
+
+def test_the_pss_account_names_this_process_first_and_sums_to_its_pss():
+    import os
+
+    memory = load("memory").TreeMemory()
+    rows = memory.account()
+    assert rows[0]["pid"] == os.getpid()
+    assert rows[0]["pss"] > 0 and rows[0]["file"] > 0
+    assert abs(sum(r["pss"] for r in rows) - memory.pss() / 2**20) < 0.05 * sum(r["pss"] for r in rows) + 1
+
+
+@pytest.mark.slow
+def test_against_runs_both_commits_and_prints_new_over_old(tmp_path):
+    """The whole command, tiny: both trees' contenders run, and every row has both figures."""
+    proc = run_script(
+        "bench/bench.py", "--against", "HEAD", "--images", "16", "--batch", "8", "--batches", "1", "--warmup", "1",
+        "--limit-seconds", "0.1", "--workers", "1", "--repeat", "1", "--data", str(tmp_path / "data"),
+        "--keep-page-cache",  # the suite's other processes keep reading torch from memory
+        "--json", str(tmp_path / "out" / "loader.json"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:26].strip(): line[26:].split() for line in proc.stdout.splitlines() if line[26:27] == " "}
+    for name in ("samples/s", "ours / own work", "PSS, MB", "main process", "workers, all"):
+        new, old, ratio = rows[name]
+        assert float(new) > 0 and float(old) > 0 and float(ratio) > 0, (name, rows[name])
+    report = json.loads((tmp_path / "out" / "against.json").read_text())
+    assert len(report["rounds"]["noise"]["new"]) == len(report["rounds"]["noise"]["old"]) == 1
