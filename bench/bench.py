@@ -37,7 +37,6 @@ import io
 import json
 import multiprocessing
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import peervenv  # noqa: E402  (bench/, beside this file)
+from machine import cpu_model  # noqa: E402
 from memory import TreeMemory, evict_libraries  # noqa: E402
 
 NCLASSES = 10
@@ -388,7 +388,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--warmup", type=int, default=10, help="batches before the clock starts (default: %(default)s)")
     p.add_argument("--batches", type=int, default=100, help="batches timed (default: %(default)s, about 3 epochs)")
-    p.add_argument("--limit-seconds", type=float, default=10.0, help="how long to time the decode limit")
+    p.add_argument(
+        "--limit-seconds",
+        type=float,
+        default=5.0,
+        help="how long to time each loop with no loader, (d) and (e) (default: %(default)s)",
+    )
     p.add_argument("--data", default=str(ROOT / "data" / "bench"), help="where the generated data goes")
     p.add_argument("--json", default=str(ROOT / "outputs" / "bench" / "loader.json"), help="JSON output")
     p.add_argument("--only", nargs="*", choices=CONTENDERS + PEERS, help="run only these contenders")
@@ -485,7 +490,7 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
     print(
         f"\n{info['dataset']}: {args.images} JPEGs ({info['mean_kb']} KB mean, {info['size']}), "
         f"RandomResizedCrop(224) + flip, batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, "
-        f"{platform.processor() or 'cpu'}; median of {args.repeat} rounds"
+        f"{cpu_model()}; median of {args.repeat} rounds"
     )
     print(header)
     print("-" * len(header))
@@ -524,7 +529,7 @@ def write_json(
 ) -> None:
     """``results`` (and ``rounds``) for the noise set, keyed by contender as before;
     ``results_photos`` (``rounds_photos``) for the photos; ``data`` describes each set."""
-    report = {"config": vars(args) | {"cores": os.cpu_count()}, "data": infos} | extra
+    report = {"config": vars(args) | {"cores": os.cpu_count(), "cpu": cpu_model()}, "data": infos} | extra
     for ds in results:
         suffix = "" if ds == "noise" else f"_{ds}"
         report[f"results{suffix}"] = results[ds]
@@ -553,6 +558,8 @@ def main() -> int:
             print(json.dumps(peers.convert(args.convert, info)))
             return 0
         result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
+        if "wdsdist" in sys.modules:  # which checkout's loader ran (--against: each tree's own)
+            result["wdsdist"] = str(Path(sys.modules["wdsdist"].__file__).resolve().parent.parent)
         print(json.dumps(result))
         return 0
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]

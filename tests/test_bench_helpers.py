@@ -239,19 +239,48 @@ def test_the_pss_account_names_this_process_first_and_sums_to_its_pss():
     assert abs(sum(r["pss"] for r in rows) - memory.pss() / 2**20) < 0.05 * sum(r["pss"] for r in rows) + 1
 
 
-@pytest.mark.slow
-def test_against_runs_both_commits_and_prints_new_over_old(tmp_path):
-    """The whole command, tiny: both trees' contenders run, and every row has both figures."""
-    proc = run_script(
-        "bench/bench.py", "--against", "HEAD", "--images", "16", "--batch", "8", "--batches", "1", "--warmup", "1",
-        "--limit-seconds", "0.1", "--workers", "1", "--repeat", "1", "--data", str(tmp_path / "data"),
-        "--keep-page-cache",  # the suite's other processes keep reading torch from memory
-        "--json", str(tmp_path / "out" / "loader.json"),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    rows = {line[:26].strip(): line[26:].split() for line in proc.stdout.splitlines() if line[26:27] == " "}
-    for name in ("samples/s", "ours / own work", "PSS, MB", "main process", "workers, all"):
-        new, old, ratio = rows[name]
-        assert float(new) > 0 and float(old) > 0 and float(ratio) > 0, (name, rows[name])
+def test_against_interleaves_the_trees_swapping_their_order_each_round(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    _, against = bench_module()
+    built, calls = [], []
+    monkeypatch.setattr(against, "prebuild", lambda tree: built.append(tree) or "")
+
+    def contender(name, dataset, args, tree):
+        calls.append((name, tree))
+        assert (tree / "wdsdist" / "data" / "__init__.py").exists()  # the old tree is there while it runs
+        rate = 900.0 if tree == against.ROOT else 800.0
+        ours = {"samples_per_s": rate, "pss_mb": 700.0, "first_batch_s": 0.1, "cpu_ms_per_sample": 1.0}
+        return ours if name == "ours" else {"samples_per_s": 1000.0}
+
+    args = argparse.Namespace(against="HEAD", repeat=2, dataset="noise", workers=1, batch=8, batches=1, warmup=1,
+                              json=str(tmp_path / "out" / "loader.json"))  # fmt: skip
+    assert against.run(args, lambda ds: {}, contender) == 0
+    new, old = against.ROOT, built[1]
+    assert built[0] == new and old != new and not old.exists()  # the worktree is gone again
+    assert [tree for name, tree in calls if name == "ours"] == [new, old, old, new]
+    assert [name for name, _ in calls] == ["ours", "ours-work"] * 4
+    out = capsys.readouterr().out
+    assert next(ln for ln in out.splitlines() if ln.startswith("samples/s")).endswith("1.125")
     report = json.loads((tmp_path / "out" / "against.json").read_text())
-    assert len(report["rounds"]["noise"]["new"]) == len(report["rounds"]["noise"]["old"]) == 1
+    assert report["results"]["noise"]["ours / own work"] == {"new": 0.9, "old": 0.8, "new_rounds": [0.9, 0.9],
+                                                             "old_rounds": [0.8, 0.8]}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_contender_runs_the_loader_of_the_tree_it_is_given(tmp_path):
+    """--against's other side: bench.py --run with --tree imports that checkout's wdsdist."""
+    import shutil
+
+    _, against = bench_module()
+    with against.worktree(against.resolve("HEAD")) as tree:
+        (tree / ".build").mkdir()
+        for built in (ROOT / ".build").glob("jpegcrop-*.so"):
+            shutil.copy2(built, tree / ".build")
+        proc = run_script(
+            "bench/bench.py", "--run", "ours-work", "--set", "noise", "--images", "16", "--limit-seconds", "0.1",
+            "--workers", "1", "--data", str(tmp_path / "data"), "--tree", str(tree),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["wdsdist"] == str(tree.resolve()) and result["samples_per_s"] > 0
