@@ -5,7 +5,7 @@
     ./run charts.py --check    # exit 1 naming each report whose chart is missing or older
 
 Three kinds of report have a chart, told by the file name: the peers benchmark (``*-peers.md``:
-samples/s, first batch and peak memory of each loader, per data set), the mixing reports
+samples/s, first batch and memory (PSS, else peak RSS) of each loader, per data set), the mixing reports
 (``*-mixing*.md``: samples/s and CPU per sample of each contender) and the remote reports
 (``*-remote*.md``: samples/s, first batch and bytes from the store per contender and epoch). A
 report added of one of these kinds gets its chart when this runs again; tests/test_docs.py holds
@@ -66,7 +66,8 @@ def bars(ax, labels: list[str], values: list[float | None], title: str, unit: st
 
 
 def peers(report: Path, plt) -> object:  # noqa: ANN001
-    """Per data set: samples/s, first batch and peak RSS of each loader (ours in blue)."""
+    """Per data set: samples/s, first batch and memory of each loader (ours in blue): PSS, which
+    counts the pages a loader's processes share once, where the table has it, else peak RSS."""
     sets = [(h, rows) for h, rows in tables(report.read_text()) if column(h, "samples/s") is not None]
     fig, axes = plt.subplots(len(sets), 3, figsize=(13, 2.2 + 1.9 * len(sets)), squeeze=False)
     for (header, rows), row in zip(sets, axes, strict=True):
@@ -77,7 +78,8 @@ def peers(report: Path, plt) -> object:  # noqa: ANN001
             row,
             [("samples/s", f"{name}: samples/s", "samples/s (more is better)"),
              ("first batch", "first batch", "seconds (less is better)"),
-             ("peak rss", "peak memory (RSS)", "MB (less is better)")],
+             ("pss", "memory (PSS)", "MB (less is better)") if column(header, "pss") is not None
+             else ("peak rss", "peak memory (RSS)", "MB (less is better)")],
             strict=True,
         ):  # fmt: skip
             i = column(header, col)
