@@ -3,7 +3,7 @@
 
     ./run gpu-kit                      # here, where pip reaches PyPI: the wheels and jpegcrop build
     ./run gpu-check [--out DIR]        # on the GPU node, with gpu-kit/ brought along (no internet)
-    ./run gpu-check --cpu --out DIR    # the rehearsal: every step that needs no CUDA, small
+    ./run gpu-check --cpu [--out DIR]  # the rehearsal: every step that needs no CUDA, small (outputs/gpu-check/)
 
 Five parts, each beside the same training step on random tensors already on the device ("pure
 compute": the trainer's own model, optimizer, autocast and memory format): (a) the default job;
@@ -62,7 +62,8 @@ class Sizes:
     cpu_workers: str  # (c): trainer.workers for CPU decode
     gpu_workers: tuple[int, ...]  # (c): trainer.workers for GPU decode
     loader_workers: tuple[int, ...]  # (d): CPU decode
-    loader_seconds: float  # (d): the timed stretch of each
+    loader_window_s: float  # (d): each row timed in windows of this, until three agree (steady)
+    loader_most_s: float  # (d): or until this has passed
     compute_steps: int
     budget_s: float  # parts not begun by then are skipped; runs are cut at it
 
@@ -86,7 +87,8 @@ GPU = Sizes(
     cpu_workers="auto",
     gpu_workers=(1, 2),
     loader_workers=(1, 2, 4, 8, 15),
-    loader_seconds=4.0,
+    loader_window_s=2.0,
+    loader_most_s=30.0,
     compute_steps=30,
     budget_s=340.0,
 )
@@ -121,7 +123,8 @@ CPU = Sizes(
     cpu_workers="1",
     gpu_workers=(1, 2),
     loader_workers=(1, 2),
-    loader_seconds=1.5,
+    loader_window_s=0.3,
+    loader_most_s=1.5,
     compute_steps=1,
     budget_s=600.0,
 )
@@ -244,13 +247,22 @@ def machine(sizes: Sizes) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="the rehearsal: small sizes, the CPU, no GPU decode")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the report goes (bench/results/)")
+    p.add_argument(
+        "--out",
+        help="where the report goes (default: bench/results/ on a GPU; with --cpu, outputs/gpu-check/: "
+        "a rehearsal is no measurement to keep)",
+    )
     p.add_argument("--kit", default="gpu-kit", help="the kit's folder (./run reads it before this starts)")
     p.add_argument("--keep", action="store_true", help="keep the data and run folders under /tmp")
     p.add_argument(
         "--only", nargs="+", choices=[k for k, _, _ in PARTS], help="these parts only (data is written first)"
     )
     return p.parse_args(argv)
+
+
+def report_folder(args: argparse.Namespace) -> Path:
+    """--out; else the dated reports' folder for a GPU's run, and outputs/ for a rehearsal."""
+    return Path(args.out) if args.out else ROOT / ("outputs/gpu-check" if args.cpu else "bench/results")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("error: gpu-check: torch sees no GPU here; --cpu rehearses it without one", file=sys.stderr)
             return 2
-    out = Path(args.out)
+    out = report_folder(args)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="wdsdist-gpu-check-"))
     command = " ".join(["./run gpu-check", *(argv if argv is not None else sys.argv[1:])])

@@ -83,8 +83,36 @@ def write_sets(work: Path, sizes: Any, say: Callable[[str], None]) -> list[dict]
 # ---------------------------------------------------------------- (d) the loader alone
 
 
-def loader_rate(index: str, config: Any, seconds: float, cuda: bool) -> dict:
-    """Samples/s the Loader delivers, once the batches its workers made ahead are drained."""
+def steady_rate(
+    next_batch: Callable[[], int], window_s: float, most_s: float, clock: Callable[[], float] = time.perf_counter
+) -> dict:
+    """Samples/s of ``next_batch()`` (which returns a batch's sample count), timed in windows of
+    ``window_s`` until the last three agree within 5 % (steady), or ``most_s`` has passed: a
+    node's many workers take seconds to reach their rate, and a fixed stretch timed them before
+    they had (2026-11-27-gpu-check.md: 15 workers at 5,586/s there, 9,639/s under training). The
+    rate is the last three windows' samples over their time."""
+    windows: list[tuple[int, float]] = []
+    start = clock()
+    while True:
+        t0, n = clock(), 0
+        while clock() - t0 < window_s:
+            n += next_batch()
+        windows.append((n, clock() - t0))
+        last = windows[-3:]
+        rates = [k / t for k, t in last]
+        steady = len(last) == 3 and max(rates) - min(rates) <= 0.05 * max(rates)
+        if steady or clock() - start >= most_s:
+            return {
+                "samples_per_s": sum(k for k, _ in last) / sum(t for _, t in last),
+                "steady": steady,
+                "windows": [round(k / t, 1) for k, t in windows],
+                "timed_s": round(clock() - start, 2),
+            }
+
+
+def loader_rate(index: str, config: Any, window_s: float, most_s: float, cuda: bool) -> dict:
+    """Samples/s the Loader delivers once steady (steady_rate), after the batches its workers
+    made ahead are drained."""
     import torch
 
     from wdsdist.data import Loader
@@ -102,15 +130,17 @@ def loader_rate(index: str, config: Any, seconds: float, cuda: bool) -> dict:
         next(batches)
     first = time.perf_counter() - t_start
     sync()
-    t0, n, count = time.perf_counter(), 0, 0
-    while count < max(2, config.workers) or time.perf_counter() - t0 < seconds:
-        batch = next(batches)
-        n, count = n + len(batch["label"]), count + 1
+    count = [0]
+
+    def next_batch() -> int:
+        count[0] += 1
+        return len(next(batches)["label"])
+
+    rate = steady_rate(next_batch, window_s, most_s)
     sync()
-    elapsed = time.perf_counter() - t0
     del batches, loader
     gc.collect()
-    return {"samples_per_s": n / elapsed, "batches": count, "warmup_s": first, "status": "ok"}
+    return rate | {"batches": count[0], "warmup_s": first, "status": "ok"}
 
 
 def loader_alone(check: Any, part: dict) -> None:
@@ -129,8 +159,10 @@ def loader_alone(check: Any, part: dict) -> None:
             continue
         try:
             extra = {"decode": "gpu"} if decode == "gpu" else {}
-            row |= loader_rate(index, LoaderConfig(**common, **extra, workers=workers), sizes.loader_seconds, cuda)
-            check.say(f"  {decode} decode, {workers} workers: {row['samples_per_s']:.0f} samples/s")
+            config = LoaderConfig(**common, **extra, workers=workers)
+            row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
+            state = "steady" if row["steady"] else f"not steady after {row['timed_s']} s"
+            check.say(f"  {decode} decode, {workers} workers: {row['samples_per_s']:.0f} samples/s ({state})")
         except Exception as exc:  # a row that fails is reported; the others still run
             row |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
             check.say(f"  {decode} decode, {workers} workers: failed: {row['error']}")

@@ -106,12 +106,14 @@ def loader_table(part: dict) -> list[str]:
             str(r["workers"]),
             num(r.get("samples_per_s")),
             num(r.get("batches")),
+            seconds(r.get("timed_s")) + ("" if r.get("steady", True) else " (not steady)"),
             seconds(r.get("warmup_s")),
             note(r),
         ]
         for r in part["rows"]
     ]
-    return table(["decode", "workers", "samples/s", "batches timed", "start and drain", "note"], rows)
+    header = ["decode", "workers", "samples/s", "batches timed", "timed until steady", "start and drain", "note"]
+    return table(header, rows)
 
 
 def pixel_table(part: dict) -> list[str]:

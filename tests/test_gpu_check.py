@@ -21,6 +21,7 @@ from tests.conftest import ROOT
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -206,3 +207,36 @@ def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
     assert "| cpu | 1 | 450 | 9 |" in text and "| gpu | 2 | - | - | - | failed: TypeError: no decode |" in text
     assert "Status: failed (RuntimeError: nvjpeg)" in text and "- (e) failed: RuntimeError: nvjpeg" in text
     assert [label for label, *_ in report.bars(results)] == ["(d) loader cpu x1", "(d) loader gpu x2"]
+
+
+def test_a_rehearsals_report_goes_under_outputs_and_a_gpus_among_the_dated_reports(tmp_path):
+    check = load("gpucheck")
+    assert check.report_folder(check.parse_args(["--cpu"])) == ROOT / "outputs" / "gpu-check"
+    assert check.report_folder(check.parse_args([])) == ROOT / "bench" / "results"
+    assert check.report_folder(check.parse_args(["--cpu", "--out", str(tmp_path)])) == tmp_path
+
+
+def test_part_d_times_a_row_until_its_rate_is_steady():
+    loader = load("gpucheck_loader")
+    now = [0.0]
+
+    def batches(costs):
+        """A batch of 10 samples taking each of ``costs`` seconds in turn, on a clock of its own."""
+        it = iter(costs)
+
+        def next_batch() -> int:
+            now[0] += next(it)
+            return 10
+
+        return next_batch
+
+    # Workers still starting: from 0.1 s a batch to 0.02 s (500 samples/s) over the first 100
+    ramp = batches([0.1 - 0.0008 * i for i in range(100)] + [0.02] * 10_000)
+    got = loader.steady_rate(ramp, window_s=1.0, most_s=100.0, clock=lambda: now[0])
+    assert got["steady"] and abs(got["samples_per_s"] - 500) < 10
+    assert got["windows"][0] < 110 and got["timed_s"] > 6  # the slow start was timed, and outwaited
+    # A rate that never settles is reported as such at the limit
+    now[0] = 0.0
+    swings = batches(([0.01] * 20 + [0.2] * 2) * 10_000)  # windows of 1000, 1000, 50, 50, ... samples/s
+    got = loader.steady_rate(swings, window_s=0.1, most_s=5.0, clock=lambda: now[0])
+    assert not got["steady"] and 5.0 <= got["timed_s"] < 5.5

@@ -2,8 +2,8 @@
 
 nvJPEG's batched decode returns only once the batch is decoded, and launching each image's crop
 takes the host a few microseconds more: on the training loop's own thread that time was spent
-between two steps, with the next step not yet launched (gpu-check's ResNet-50 ran at 0.68 x its
-pure compute: bench/results/2026-11-27-gpu-check.md). Here a thread takes the next batch from the
+between two steps, with the next step not yet launched, and a fast model waited for it
+(bench/results/2026-11-27-gpu-check.md). Here a thread takes the next batch from the
 workers and makes its images while the loop launches the step before it; the decode releases
 the GIL, and so do the kernel launches. One batch ahead, at most: the thread waits for the
 caller to take the one it has made (its images on the device until then).
