@@ -138,7 +138,7 @@ def loader_rate(index: str, config: Any, window_s: float, most_s: float, cuda: b
 
     rate = steady_rate(next_batch, window_s, most_s)
     sync()
-    del batches, loader
+    batches = loader = None  # the workers end before the next row starts its own
     gc.collect()
     return rate | {"batches": count[0], "warmup_s": first, "status": "ok"}
 
