@@ -107,6 +107,7 @@ def owned_by(owner: dict[int, list[tuple[int, int, int]]], shard: int, first: in
         k += 1
     return nodes
 
+
 LAYOUTS = [
     # (counts, nodes, ranks per node, batch size, seed)
     (COUNTS, 2, 2, 3, 0),
