@@ -196,7 +196,15 @@ def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
                 "title": "the loader alone",
                 "status": "ok",
                 "rows": [
-                    {"decode": "cpu", "workers": 1, "status": "ok", "samples_per_s": 450.0, "batches": 9},
+                    {
+                        "decode": "cpu",
+                        "workers": 1,
+                        "status": "ok",
+                        "samples_per_s": 450.0,
+                        "batches": 9,
+                        "timed_s": 30.2,
+                        "steady": False,
+                    },  # fmt: skip
                     {"decode": "gpu", "workers": 2, "status": "failed", "error": "TypeError: no decode"},
                 ],
             },
@@ -204,7 +212,8 @@ def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
         },
     }
     text = report.markdown(results, "c.png")
-    assert "| cpu | 1 | 450 | 9 |" in text and "| gpu | 2 | - | - | - | failed: TypeError: no decode |" in text
+    assert "| cpu | 1 | 450 | 9 | 30.2 s (not steady) | - |" in text
+    assert "| gpu | 2 | - | - | - | - | failed: TypeError: no decode |" in text
     assert "Status: failed (RuntimeError: nvjpeg)" in text and "- (e) failed: RuntimeError: nvjpeg" in text
     assert [label for label, *_ in report.bars(results)] == ["(d) loader cpu x1", "(d) loader gpu x2"]
 
