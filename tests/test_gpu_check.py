@@ -204,7 +204,7 @@ def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
                         "batches": 9,
                         "timed_s": 30.2,
                         "steady": False,
-                    },  # fmt: skip
+                    },
                     {"decode": "gpu", "workers": 2, "status": "failed", "error": "TypeError: no decode"},
                 ],
             },
