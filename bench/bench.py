@@ -333,8 +333,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
                 if n == warmup + batches:
                     break
         end, cpu_end = time.perf_counter(), mem.cpu()
-        pss = mem.pss()  # after the clock stopped, with the loader and its workers still alive
-        account = mem.account()
+        account = mem.account()  # after the clock stopped, with the loader and its workers still alive
     return {
         "samples_per_s": batches * batch / (end - timed_from),
         "first_batch_s": first - start,
@@ -343,7 +342,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
         # CPU time of the whole process tree (main, workers, threads) per sample in the timed part
         "cpu_ms_per_sample": (cpu_end - cpu_from) * 1000 / (batches * batch),
         "peak_rss_mb": mem.peak_rss / 2**20,
-        "pss_mb": pss / 2**20,
+        "pss_mb": sum(row["pss"] for row in account),
         "pss_account": account,  # per process, the main one first
     }
 

@@ -22,8 +22,8 @@ class TreeMemory:
     files and walking the tree each time, it took 29 ms of CPU a second here (1.4 % of two
     cores, which the bare loops (d) and (e) do not pay); now 4.5 ms.
 
-    ``pss()``: the summed PSS, in which pages shared between the main process and its forked
-    workers (torch's libraries, mostly) count once in all rather than once per process; it needs
+    ``account()``: each process's PSS, in which pages shared between the main process and its
+    forked workers (torch's libraries, mostly) count once in all rather than once per process; it needs
     /proc/PID/smaps_rollup, which walks the page tables (17-24 ms a process here), so it is read
     only outside the timed window. Sampling smaps_rollup every 20 ms during the run took most of
     a core and halved the loader's measured rate.
@@ -68,9 +68,6 @@ class TreeMemory:
         # /proc/PID/stat fields 14-17 (utime, stime, cutime, cstime), counted after the ")" that
         # ends the command name. A child's time moves into cutime when reaped: counted once.
         return self._sum("stat", lambda f: sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))) / tick
-
-    def pss(self) -> int:
-        return self._sum("smaps_rollup", lambda f: next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:")))
 
     ACCOUNT = {"Pss": "pss", "Pss_Anon": "anon", "Pss_File": "file", "Pss_Shmem": "shmem", "Private_Dirty": "private"}
 
