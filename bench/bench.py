@@ -284,6 +284,22 @@ def batch_shape(batch) -> str:
     return "x".join(map(str, images.shape)) + " " + str(images.dtype).removeprefix("torch.")
 
 
+def loops_together(info: dict, workers: int, limit_seconds: float, region: bool) -> dict:
+    """What W cores give together on this machine right now (shared caches, memory bandwidth,
+    other tenants): the same loop in W processes at once, as the loader's W workers run."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    procs = [
+        ctx.Process(target=limit_rate, args=(info, limit_seconds, barrier, results, region)) for _ in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    rates = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return {"samples_per_s": sum(rates), "per_process": rates}
+
+
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
     if name in ("limit", "ours-work"):
         r = limit_rate(info, limit_seconds, region=name == "ours-work")
@@ -293,20 +309,7 @@ def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batche
             "cpu_ms_per_sample": r["cpu_ms_per_sample"],
         }
     if name in ("side-by-side", "ours-work-together"):
-        # What W cores give together on this machine right now (shared caches, memory bandwidth,
-        # other tenants): the same loop in W processes at once, as the loader's W workers run.
-        ctx = multiprocessing.get_context("spawn")
-        barrier, results = ctx.Barrier(workers), ctx.Queue()
-        region = name == "ours-work-together"
-        procs = [
-            ctx.Process(target=limit_rate, args=(info, limit_seconds, barrier, results, region)) for _ in range(workers)
-        ]
-        for proc in procs:
-            proc.start()
-        rates = [results.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-        return {"samples_per_s": sum(rates), "per_process": rates}
+        return loops_together(info, workers, limit_seconds, region=name == "ours-work-together")
     import_first(name)
     with TreeMemory() as mem:
         start = time.perf_counter()
