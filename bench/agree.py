@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from machine import cpu_model  # noqa: E402  (bench/, beside this file)
 
 
 def _free_port() -> int:
@@ -111,7 +112,7 @@ def main() -> int:
 
     print(
         f"\nagreement per step, gloo on loopback, {args.iters} steps of {args.step_ms:g} ms other work, "
-        f"{os.cpu_count()} cores, {platform.processor() or 'cpu'}"
+        f"{os.cpu_count()} cores, {cpu_model()}"
     )
     header = f"{'ranks':>5} {'mode':12} {'median':>10} {'p90':>10} {'mean':>10} {'of 100 ms':>10}"
     print(header)
@@ -122,7 +123,7 @@ def main() -> int:
                 f"{world:5} {mode:12} {m['median_us']:8.0f} us {m['p90_us']:7.0f} us {m['mean_us']:7.0f} us "
                 f"{m['mean_us'] / 1e5 * 100:9.2f}%"
             )
-    report = {"config": vars(args) | {"cores": os.cpu_count()}, "results": results}
+    report = {"config": vars(args) | {"cores": os.cpu_count(), "cpu": cpu_model()}, "results": results}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")

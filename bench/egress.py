@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from machine import cpu_model  # noqa: E402  (bench/, beside this file)
+
 from tests.helpers import cluster  # noqa: E402
 from tests.helpers.servers import CountingStore, Servers  # noqa: E402
 from tests.helpers.training import free_port  # noqa: E402
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     index, counts = make_data(ROOT / args.data, args.shards, args.min, args.max, args.side, args.seed)
     dataset = sum(os.path.getsize(ROOT / args.data / f"u-{i:06d}.tar") for i in range(args.shards))
     print(f"data: {args.shards} shards, {min(counts)}-{max(counts)} samples ({sum(counts)}), {dataset} bytes")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    print(f"machine: {cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, python {platform.python_version()}")
     layouts = [tuple(int(n) for n in item.split("x")) for item in args.layouts.split(",")]
     results = []
     with tempfile.TemporaryDirectory(prefix="egress-") as tmp, Servers() as servers:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tarfile
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import peervenv  # noqa: E402  (bench/, beside this file)
+from machine import cpu_model  # noqa: E402  (bench/, beside this file)
 
 NAMES = ("a", "b", "c")
 WEIGHTS = (0.6, 0.3, 0.1)
@@ -287,7 +287,7 @@ def table(rounds: dict[str, list[dict]], args: argparse.Namespace, info: dict, p
             for (n, p), w in zip(parts.items(), WEIGHTS, strict=True)
         )
         + f"; one epoch of {args.samples} samples, batch {args.batch}, {args.workers} workers, "
-        f"{os.cpu_count()} cores, {platform.machine()}; median of {args.repeat} rounds",
+        f"{os.cpu_count()} cores, {cpu_model()}; median of {args.repeat} rounds",
         "",
         "| contender | samples/s (median, range) | ratio to ours-single | ratio to its own single | "
         "CPU ms/sample (median) | first batch | per-source shares realised (a/b/c) |",
@@ -363,7 +363,12 @@ def main() -> int:
     text += f"\n\nload average (1 min) before each run: {min(load):.2f}-{max(load):.2f}"
     print("\n" + text)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    report = {"config": vars(args) | {"cores": os.cpu_count()}, "data": info, "rounds": rounds, "load": load} | extra
+    report = {
+        "config": vars(args) | {"cores": os.cpu_count(), "cpu": cpu_model()},
+        "data": info,
+        "rounds": rounds,
+        "load": load,
+    } | extra
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
     return 0

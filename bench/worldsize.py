@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from machine import cpu_model  # noqa: E402  (bench/, beside this file)
+
 from tests.conftest import write_tiny_shards  # noqa: E402
 from tests.helpers import cluster  # noqa: E402
 from tests.helpers.training import free_port  # noqa: E402
@@ -130,7 +132,9 @@ def main() -> int:
                 shutil.rmtree(where, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{platform.node()}: {os.cpu_count()} CPUs, {args.steps} steps, median of {args.rounds} rounds")
+    print(
+        f"\n{platform.node()}, {cpu_model()}: {os.cpu_count()} CPUs, {args.steps} steps, median of {args.rounds} rounds"
+    )
     print("| where | world | start-up s | steps/s |\n|---|---:|---:|---:|")
     for where, world in dict.fromkeys((row["where"], row["world"]) for row in rows):
         same = [row for row in rows if row["where"] == where and row["world"] == world]
