@@ -1,6 +1,6 @@
-"""Forked DataLoader workers keep sharing their parent's memory: the objects the parent held when
-they forked are out of their garbage collector's reach (workers.forking_frozen), so a full
-collection in a worker copies none of the parent's heap, and the parent collects as before."""
+"""Forked DataLoader workers keep sharing their parent's memory: what a worker inherited is out of
+its garbage collector's reach (workers.worker_init freezes it first thing), so a full collection
+in a worker copies none of the parent's heap, and the parent's collector is left as it is."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from wdsdist.data.delivery import pipeline
 from wdsdist.data.delivery.pipeline import make_loader
-from wdsdist.data.delivery.workers import forking_frozen, worker_init
+from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig
 
 # The parent's Python heap: enough objects that a collection touching them writes many MB.
@@ -45,7 +45,7 @@ def test_a_workers_full_collection_copies_none_of_its_parents_heap(tiny_shards, 
     loader = make_loader(str(index), 0, 1, cfg)
     batches = iter(loader)
     next(batches), next(batches)  # one from each worker: both have run their init
-    assert gc.get_freeze_count() == 0  # thawed again in the parent
+    assert gc.get_freeze_count() == 0  # the parent's collector untouched
     for worker in range(2):
         frozen, grew_kb = map(int, (tmp_path / f"worker{worker}").read_text().split())
         assert frozen >= len(BALLAST)
@@ -62,17 +62,3 @@ def test_without_it_a_workers_collection_copies_the_parents_heap(tmp_path):
     proc.join()
     frozen, grew_kb = map(int, (tmp_path / "worker9").read_text().split())
     assert frozen == 0 and grew_kb > 16 * 1024
-
-
-def test_a_callers_own_freezing_is_kept():
-    gc.freeze()
-    try:
-        count = gc.get_freeze_count()
-        with forking_frozen():
-            assert gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count
-    finally:
-        gc.unfreeze()
-    with forking_frozen():
-        assert gc.get_freeze_count() > 0
-    assert gc.get_freeze_count() == 0

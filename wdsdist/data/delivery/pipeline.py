@@ -64,7 +64,7 @@ from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbat
 from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
-from wdsdist.data.delivery.workers import forking_frozen, worker_init
+from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig, Split
 from wdsdist.data.plan import seeds
 from wdsdist.data.plan.mix import Mix, epoch_total
@@ -191,16 +191,13 @@ class RankLoader:
         """The workers' batches; under decode=gpu with their images made on the device by a
         thread, a batch ahead (gpubatches.py)."""
         batches = iter(self.loader)
-        # The first batch is taken here: the DataLoader forks its (persistent) workers for it,
-        # with what this process holds frozen (workers.forking_frozen); under decode=gpu the
-        # workers also start on this thread, and the kernel ends them with the thread that
-        # started them (workers.worker_init), not with the decoder's.
-        with forking_frozen():
-            first = next(batches, None)
+        if self.decoder is None:
+            return batches
+        # The first batch is taken here: the workers start on this thread, and the kernel ends
+        # them with the thread that started them (workers.worker_init), not with the decoder's.
+        first = next(batches, None)
         if first is None:
             return iter(())
-        if self.decoder is None:
-            return _first_then(first, batches)
         return decoded_ahead(itertools.chain([first], batches), self.decoder.decode, self.decoder.setup)
 
     def _finished(self, batch: dict) -> dict:
@@ -252,17 +249,6 @@ class RankLoader:
     def state_dict(self) -> dict:
         """``state()`` as a small, JSON-friendly dict (this rank's entry of a loader state)."""
         return self.state().to_dict()
-
-
-def _first_then(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
-    """``first``, then ``rest``, which is closed with this (at an epoch's end, a break, an error)."""
-    try:
-        yield first
-        yield from rest
-    finally:
-        close = getattr(rest, "close", None)
-        if close is not None:
-            close()
 
 
 def ready_config(cfg: LoaderConfig, rank: int) -> LoaderConfig:

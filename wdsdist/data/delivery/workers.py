@@ -1,7 +1,7 @@
 """What the loader sets up in its DataLoader worker processes, and at the trainer's exit.
 
-Workers keep a fixed malloc threshold (a persistent worker stays flat), are forked with the
-parent's objects out of the garbage collector's reach (they share its pages, and keep sharing
+Workers keep a fixed malloc threshold (a persistent worker stays flat), keep what they inherited
+out of their garbage collector's reach (they share its pages with their parent, and keep sharing
 them), leave SIGTERM to the trainer and die with it; each skipped shard or sample is one warning
 line, up to a limit.
 """
@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import signal
 import sys
-from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -42,31 +41,6 @@ def pin_malloc_threshold(nbytes: int = 1 << 20) -> None:
         pass  # not glibc: nothing to pin
 
 
-@contextlib.contextmanager
-def forking_frozen() -> Iterator[None]:
-    """Start DataLoader workers inside this: what the process holds is frozen for the garbage
-    collector (``gc.freeze``) while they fork, and thawed again in this process afterwards.
-
-    A forked worker shares its parent's pages until it writes one. Its garbage collector writes
-    into every object it tracks, so its first full collection copies the parent's whole Python
-    heap (torch, torchvision and what they import: about 80 MB here) into each worker, and the
-    parent's own collection does the same in the parent: a loader's memory grows by that much
-    per process some hundred batches in (bench/results/2026-11-28-cpu-loader.md). Frozen, the
-    inherited objects are never collected in a worker (they are its parent's, alive there), so
-    the pages stay shared; this process collects them again as before. Python's documentation
-    of ``gc.freeze`` recommends it for this case. A caller that froze objects itself keeps its
-    own freezing as it is.
-    """
-    ours = gc.get_freeze_count() == 0
-    if ours:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if ours:
-            gc.unfreeze()
-
-
 def warn_skip(error: Exception, limit: int = 20) -> None:
     """One line per skipped shard or sample, up to ``limit`` per worker; they are all counted."""
     _warned[0] += 1
@@ -82,7 +56,16 @@ def worker_init(worker_id: int) -> None:
     finishing its step and writing a checkpoint. They still end with it: the kernel kills them
     when it exits (PR_SET_PDEATHSIG; strictly, when the thread that started them ends, so a
     loader is iterated from the thread that lives as long as it), and at its normal exit
-    ``_end_workers`` does."""
+    ``_end_workers`` does.
+
+    First, what the worker inherited is frozen for its garbage collector (``gc.freeze``, which
+    moves the collector's lists in a few writes). A forked worker shares its parent's pages until
+    it writes one, and a full collection writes into every object it tracks: unfrozen, a worker's
+    first one copied the parent's whole Python heap (torch, torchvision and what they import:
+    about 80 MB here) into the worker, some hundred batches in
+    (bench/results/2026-11-28-cpu-loader.md). The inherited objects are the parent's, alive
+    there; the worker never needs to collect them. The parent's collector is left as it is."""
+    gc.freeze()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(Exception):  # Linux only; elsewhere DataLoader's own watchdog notices
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
