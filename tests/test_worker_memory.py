@@ -15,8 +15,12 @@ from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.delivery.workers import worker_init
 from wdsdist.data.options import LoaderConfig
 
-# The parent's Python heap: enough objects that a collection touching them writes many MB.
-BALLAST = [[i, str(i)] for i in range(400_000)]  # lists: the collector tracks every one
+BALLAST = 400_000  # lists in the parent: enough that a collection touching them writes many MB
+
+
+def ballast() -> list[list]:
+    """The parent's Python heap for these tests, made only by them (not at the suite's import)."""
+    return [[i, str(i)] for i in range(BALLAST)]  # lists: the collector tracks every one
 
 
 def _private_dirty_kb() -> int:
@@ -40,6 +44,7 @@ def _probe(out: Path, worker_id: int) -> None:
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/PID/smaps_rollup")
 def test_a_workers_full_collection_copies_none_of_its_parents_heap(tiny_shards, tmp_path, monkeypatch):
     index = tiny_shards([8, 8])
+    heap = ballast()
     monkeypatch.setattr(pipeline, "worker_init", lambda worker_id: _probe(tmp_path, worker_id))
     cfg = LoaderConfig(batch_size=4, workers=2, image_size=8, mode="repeat", shuffle_buffer=0)
     loader = make_loader(str(index), 0, 1, cfg)
@@ -48,17 +53,19 @@ def test_a_workers_full_collection_copies_none_of_its_parents_heap(tiny_shards, 
     assert gc.get_freeze_count() == 0  # the parent's collector untouched
     for worker in range(2):
         frozen, grew_kb = map(int, (tmp_path / f"worker{worker}").read_text().split())
-        assert frozen >= len(BALLAST)
+        assert frozen >= len(heap)
         # Unfrozen, the collection writes to every one of the ballast's 400,000 lists: tens of MB.
         assert grew_kb < 8 * 1024, f"worker {worker}'s collection copied {grew_kb} kB of its parent's pages"
-    del batches
+    del batches, heap
 
 
 def test_without_it_a_workers_collection_copies_the_parents_heap(tmp_path):
     """The measure above can fail: a fork without the freeze copies the ballast's pages."""
+    heap = ballast()
     ctx = multiprocessing.get_context("fork")
     proc = ctx.Process(target=_report, args=(tmp_path, 9))
     proc.start()
     proc.join()
+    del heap
     frozen, grew_kb = map(int, (tmp_path / "worker9").read_text().split())
     assert frozen == 0 and grew_kb > 16 * 1024
