@@ -222,8 +222,8 @@ def test_options_decode_gpu_refuses_what_it_cannot_do():
         LoaderConfig(batch_size=4, decode="tpu")
     with pytest.raises(UserError, match=r"^decode=gpu: gpu does not apply with loader.cross_shuffle"):
         LoaderConfig(batch_size=4, decode="gpu", cross_shuffle=10)
-    with pytest.raises(UserError, match=r"^decode=gpu: gpu applies to training batches"):
-        LoaderConfig(batch_size=4, decode="gpu", train=False)
+    with pytest.raises(UserError, match=r"^gpu_decoder=nvjpeg: auto, nvimgcodec or torchvision"):
+        LoaderConfig(batch_size=4, decode="gpu", gpu_decoder="nvjpeg")
 
 
 def test_the_decode_thread_keeps_order_raises_in_order_and_stops_with_its_caller():

@@ -16,7 +16,6 @@ from tests.helpers.config import compose_config
 from wdsdist.data import LoaderConfig, UserError
 from wdsdist.data import cores as cores_module
 from wdsdist.data.cores import auto_workers
-from wdsdist.data.delivery.pipeline import eval_workers
 from wdsdist.data.options import parse_workers
 from wdsdist.train.config import check
 from wdsdist.train.run import loader_line
@@ -55,9 +54,6 @@ def test_loader_config_resolves_auto_from_pin_memory_and_decode(sixteen_cores):
     given = LoaderConfig(batch_size=8, workers=3, pin_memory=True)
     assert given.workers == 3 and given.workers_why is None
     assert LoaderConfig(batch_size=8, workers="5").workers == 5
-    # Evaluation decodes on the CPU: sized anew where the training loader was sized for decode=gpu
-    assert eval_workers(LoaderConfig(batch_size=8, workers="auto", decode="gpu", pin_memory=True)) == 15
-    assert eval_workers(LoaderConfig(batch_size=8, workers=2, decode="gpu")) == 2
 
 
 def test_bad_worker_counts_are_refused_in_one_line():

@@ -25,6 +25,7 @@ from wdsdist.data.delivery.pipeline import (
     counted_shards,
     expand_shards,
     make_eval_loader,
+    planned_decoder,
     resumed,
 )
 from wdsdist.data.options import LoaderConfig, Source
@@ -161,6 +162,23 @@ class Loader:
         could); empty under decode=cpu."""
         decoder = self._inner.decoder if self._inner is not None else None
         return {k: decoder.counts[k] for k in ("gpu", "cpu", "failed")} if decoder is not None else {}
+
+    @property
+    def gpu_decoder(self) -> str | None:
+        """decode=gpu: the JPEG decoder the training process will use, named (None under decode=cpu)."""
+        return planned_decoder(self.config.gpu_decoder) if self.config.decode == "gpu" else None
+
+    @property
+    def decode_host(self) -> dict:
+        """decode=gpu: which decoder makes the training images, and its host time per batch so
+        far, in ms, by phase (the decode call, the resize's launch, the hand-over); empty under
+        decode=cpu or before the first batch."""
+        decoder = self._inner.decoder if self._inner is not None else None
+        if decoder is None or not decoder.host["batches"]:
+            return {}
+        n = decoder.host["batches"]
+        phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in ("decode", "resize", "hand_over")}
+        return {"decoder": decoder.described, "batches": n, **phases}
 
     def taken(self, batch: dict | None = None) -> None:
         """With ``mark_taken``: the oldest batch delivered and not yet taken is now consumed."""

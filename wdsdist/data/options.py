@@ -49,6 +49,7 @@ class ShardOrder(StrEnum):
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
 MIXES = ("sample", "stratified")
 DECODES = ("cpu", "gpu")
+GPU_DECODERS = ("auto", "nvimgcodec", "torchvision")
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,14 @@ class StreamOptions:
     """Decode at 1/2, 1/4 or 1/8 of a JPEG's size where the crop stays >= image_size: faster for
     large images, not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)."""
     decode: str = "cpu"
-    """Where training JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training
-    process, on its GPU, by nvJPEG: the workers only read the bytes and draw the crops, so a GPU
-    node needs few of them; decode/gpu.py). The same samples, draws and resume state either way;
-    the pixels within a grey level or two. Evaluation decodes on the CPU."""
+    """Where JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training process, on
+    its GPU: the workers only read the bytes and draw the crops, so a GPU node needs few of them;
+    decode/gpu.py). The same samples, draws and resume state either way. Evaluation decodes where
+    training does, so a model is evaluated on the pixels it trained on."""
+    gpu_decoder: str = "auto"
+    """decode=gpu's JPEG decoder: ``nvimgcodec`` (the ``[gpu]`` extra: crops decoded as regions,
+    chroma upsampled as libjpeg-turbo does), ``torchvision`` (its nvJPEG decode: no extra, other
+    chroma) or ``auto``, nvimgcodec where it is installed (decode/codecs.py)."""
     warm_start: bool = True
     """The first batch: worker 0 decodes its crops on a thread per worker while the others wait
     (delivery/warmstart.py), so the first batch comes sooner."""
@@ -398,6 +403,7 @@ STREAM_RULES: tuple[Rule, ...] = (
 MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stratified"),)
 DECODE_RULES: tuple[Rule, ...] = (
     ("decode", lambda o: o.decode in DECODES, "cpu or gpu"),
+    ("gpu_decoder", lambda o: o.gpu_decoder in GPU_DECODERS, "auto, nvimgcodec or torchvision"),
     (
         "decode",
         lambda o: o.decode != "gpu" or o.cross_shuffle == 0,
@@ -410,10 +416,7 @@ DECODE_RULES: tuple[Rule, ...] = (
     ),
 )
 STREAM_RULES += MIX_RULES + DECODE_RULES
-LAYOUT_RULES: tuple[Rule, ...] = (
-    ("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),
-    ("decode", lambda o: o.decode != "gpu" or o.train, "gpu applies to training batches (train=True)"),
-)
+LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
 
 

@@ -77,7 +77,7 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         + again
         + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
     )
-    report.line(loader_line(run.feed.loader.config))
+    report.line(loader_line(run.feed.loader.config, run.feed.loader.gpu_decoder))
     if run.on_device.amp_note:
         report.line(run.on_device.amp_note)
     specs = [s.shards for s in cfg.data.sources] if cfg.data.sources is not None else [cfg.data.train_shards]
@@ -103,10 +103,14 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         )
 
 
-def loader_line(cfg: LoaderConfig) -> str:
-    """The training loader's workers and why (workers=auto), and where it decodes."""
+def loader_line(cfg: LoaderConfig, gpu_decoder: str | None = None) -> str:
+    """The training loader's workers and why (workers=auto), and where it decodes (by which decoder)."""
     why = cfg.workers_why or "trainer.workers"
-    where = "on the GPU, in the training process" if cfg.decode == "gpu" else "on the CPU, in the workers"
+    where = (
+        f"on the GPU, in the training process, by {gpu_decoder}"
+        if cfg.decode == "gpu"
+        else "on the CPU, in the workers"
+    )
     workers = f"{cfg.workers} worker{'s' if cfg.workers != 1 else ''}"
     return f"loader: {workers} per rank ({why}); JPEGs decoded {where} (loader.decode={cfg.decode})"
 

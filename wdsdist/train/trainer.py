@@ -355,9 +355,12 @@ def finish(run: Run, step: int) -> dict:
             run.report.line(f"warning: ranks disagree at the end (step, weights): {fingerprints}")
         decoded = run.feed.loader.decode_counts  # loader.decode=gpu: where rank 0's images were made
         if decoded:
+            host = run.feed.loader.decode_host
             run.report.line(
                 f"loader.decode=gpu on rank 0: {decoded['gpu']} images decoded on the GPU, {decoded['cpu']} on the "
-                f"CPU (PNG, CMYK, or refused by nvJPEG), {decoded['failed']} left out (no decoder took them)"
+                f"CPU (PNG, CMYK, or refused by the GPU's decoder), {decoded['failed']} left out (no decoder took "
+                f"them); {host.get('decoder', '')}; host time per batch: decode {host.get('decode_ms', 0):.2f} ms, "
+                f"resize {host.get('resize_ms', 0):.2f} ms, hand-over {host.get('hand_over_ms', 0):.2f} ms"
             )
         metrics = {"hparam/val_top1": summary["val_top1"] or 0.0, "hparam/val_loss": summary["val_loss"] or 0.0}
         run.report.hparams(hparams_of(run), metrics)

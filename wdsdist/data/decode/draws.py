@@ -89,3 +89,9 @@ class CropDraw:
                 if fast != slow:
                     return False
         return True
+
+
+def whole_image(width: int, height: int) -> tuple[dict, bool]:
+    """decode=gpu's evaluation "draw": the whole image, never flipped. Its resize and centre crop
+    follow from the size (resize.eval_geometry), so nothing random is drawn."""
+    return {"top": 0, "left": 0, "height": height, "width": width}, False

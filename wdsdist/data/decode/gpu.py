@@ -5,18 +5,19 @@ A worker does for a JPEG what it does on the CPU path up to the decode: it check
 reads the image's size from its header and draws its crop and flip (the v2 transforms' own
 ``make_params`` and ``torch.rand``, in the stream's order), so the random stream, the batch's
 samples, labels, skips and the resume state are those of decode=cpu. Instead of pixels it hands
-on a ``Drawn``: the bytes and the draws. ``pack`` puts a batch's ``Drawn`` bytes into one tensor
-(one shared-memory transfer to the main process). ``BatchDecoder`` then decodes the batch with
-torchvision's batched nvJPEG (``decode_jpeg`` of a list, on the device: the hardware JPEG engines
-where the GPU has them, no new dependency), and crops, resizes (bilinear, antialiased, in floating
-point as torchvision does on a GPU) and flips each image into one uint8 N x 3 x S x S
-channels_last tensor. The CPU path resizes uint8 with integer weights: the pixels agree within a
-grey level. The same functions run on CPU tensors, which is how the suite tests the path without
-a GPU.
+on a ``Drawn``: the bytes and the draws (for evaluation, the whole image: resize.eval_geometry
+gives its resize and centre crop). ``pack`` puts a batch's ``Drawn`` bytes into one tensor (one
+shared-memory transfer to the main process). ``BatchDecoder`` then decodes the batch in one call
+(codecs.py: nvImageCodec, each crop as a region, or torchvision's nvJPEG) into one reused buffer,
+and crops, resizes (bilinear, antialiased, in floating point) and flips the whole batch into one
+uint8 N x 3 x S x S channels_last tensor in two launches (resize.py). The CPU path resizes uint8
+with integer weights: the pixels agree within a grey level. The same functions run on CPU tensors
+(nvImageCodec's CPU backend, Triton's interpreter), which is how the suite tests the path
+without a GPU.
 
 What the GPU decoder is not given, the worker decodes as on the CPU path, one by one, counted:
 PNG, GIF, WebP, a JPEG cut short (no end-of-image marker), one of other than 1 or 3 components
-(CMYK, YCCK), arithmetic-coded, lossless or 12-bit. A JPEG nvJPEG refuses in the training process
+(CMYK, YCCK), arithmetic-coded, lossless or 12-bit. A JPEG the GPU's decoder refuses in the training process
 is decoded there on the CPU (torchvision's libjpeg-turbo, as the CPU path's whole decode); one
 that neither decodes is left out of its batch, counted as a skipped sample and named in a
 warning (the CPU path skips such a sample in the worker and fills its place with the next one;
@@ -24,23 +25,27 @@ here the batch is made already, so it is one row shorter).
 
 Streams: torchvision's nvJPEG decode writes on a stream of its own, which is not ordered against
 the caller's (pytorch/vision#9606): memory the caller's stream has freed but still reads can be
-handed to the decoder's outputs and overwritten. So the batch is decoded and cropped on a side
-stream that holds nothing but this decoder's work and is drained before each decode; the
-training stream waits for the side stream's work through an event, and the batch's tensor is
-recorded on it. The training stream's own blocks never reach the side stream's allocations.
+handed to the decoder's outputs and overwritten. nvImageCodec orders its work after the stream
+it is given. Either way, the batch is decoded and resized on a side stream that holds nothing
+but this decoder's work and is drained before each decode; the training stream waits for the
+side stream's work through an event, and the batch's tensor is recorded on it. The training
+stream's own blocks never reach the side stream's allocations.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_image
 
+from wdsdist.data.decode import codecs
+from wdsdist.data.decode.resize import BatchResize, Geometry, Place, eval_geometry, reference, train_geometry
 from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -105,22 +110,34 @@ def pack(images: Sequence) -> dict:
 def device() -> torch.device:
     """The GPU this process decodes on (torch's current CUDA device); UserError where there is none."""
     if not torch.cuda.is_available():
+        extra = codecs.nvimgcodec_version()
+        which = f"; {codecs.NVIMGCODEC} {extra} is installed, and it decodes on a GPU" if extra else ""
         raise UserError(
-            "loader.decode=gpu: torch sees no CUDA GPU here "
-            f"(torch {torch.__version__}); use loader.decode=cpu, the default"
+            f"loader.decode=gpu: torch sees no CUDA GPU here (torch {torch.__version__}{which}); "
+            "use loader.decode=cpu, the default"
         )
     return torch.device("cuda", torch.cuda.current_device())
 
 
 class BatchDecoder:
     """Makes the images of the batches that workers packed (``batch["jpeg"]``) on ``device``:
-    ``batch["image"]``, uint8 N x 3 x size x size, channels_last. ``counts``: images decoded on
-    the device, on the CPU (in a worker or here), and left out."""
+    ``batch["image"]``, uint8 N x 3 x size x size, channels_last: the training crops (``train``)
+    or evaluation's resize and centre crop. ``counts``: images decoded on the device, on the CPU
+    (in a worker or here), and left out; ``host``: the seconds of host time by phase (the decode
+    call, the resize's launch, the hand-over) and the batches they cover."""
 
-    def __init__(self, size: int, device: torch.device):
-        self.size, self.device = size, device
+    def __init__(self, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
+        self.size, self.device, self.train = size, device, train
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.codec = codecs.choose(device, self.stream, engine)
+        self.resize = BatchResize(size, device)
         self.counts: collections.Counter[str] = collections.Counter()
+        self.host: collections.Counter[str] = collections.Counter()
+        self.warm = False
+
+    @property
+    def described(self) -> str:
+        return f"{self.codec.name}; crop, resize and flip: {self.resize.how}"
 
     def setup(self) -> None:
         """On the thread that decodes: the CUDA device is a thread's own."""
@@ -132,19 +149,25 @@ class BatchDecoder:
         this on a thread of its own, a batch ahead): ``batch["image"]``, and ``batch["failed"]``,
         the rows no decoder could make. ``hand_over`` then gives it to the caller's stream."""
         packed = batch.pop("jpeg", None)
+        if self.host["batches"] == 1 and not self.warm:  # the first compiled the kernels: not counted
+            self.host.clear()
+            self.warm = True
+        self.host["batches"] += 1
         if packed is None:  # every row made in its worker (no JPEG the GPU takes)
             self.counts["cpu"] += len(batch["image"])
             with self._side():
                 batch["image"] = batch["image"].to(self.device)
             return self._done(batch, [])
-        n = len(packed["rows"]) + len(packed["ready_rows"])
         with self._side():
-            out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
-            out = out.contiguous(memory_format=torch.channels_last)
-            failed = self._fill(out, packed)
+            made, failed = self._make(packed)
             if packed["ready_rows"]:
+                n = len(packed["rows"]) + len(packed["ready_rows"])
+                out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+                out = out.contiguous(memory_format=torch.channels_last)
+                out[packed["rows"]] = made
                 out[packed["ready_rows"]] = packed["ready"].to(self.device)
-        batch["image"] = out
+                made = out
+        batch["image"] = made
         self.counts["cpu"] += len(packed["ready_rows"])
         return self._done(batch, failed)
 
@@ -159,6 +182,7 @@ class BatchDecoder:
         """A decoded batch as the caller gets it, on the caller's thread: its stream waits for the
         images to be made and holds their memory until it is done with them; the rows no decoder
         could make are left out (after the caller has counted them consumed)."""
+        began = time.perf_counter()
         made = batch.pop("made", None)
         if made is not None:
             current = torch.cuda.current_stream(self.device)
@@ -167,6 +191,7 @@ class BatchDecoder:
         failed = batch.pop("failed", [])
         if failed:
             drop_rows(batch, failed)
+        self.host["hand_over"] += time.perf_counter() - began
         return batch
 
     @contextmanager
@@ -174,62 +199,56 @@ class BatchDecoder:
         if self.stream is None:
             yield
             return
-        self.stream.synchronize()  # nothing of ours in flight when nvJPEG writes (module docstring)
+        self.stream.synchronize()  # nothing of ours in flight when the decoder writes (module docstring)
         with torch.cuda.stream(self.stream):
             yield
 
-    def _fill(self, out: torch.Tensor, packed: dict) -> list[int]:
-        """Decode, crop, resize and flip each packed JPEG into its row of ``out``; the rows that
-        no decoder could make."""
+    def _make(self, packed: dict) -> tuple[torch.Tensor, list[int]]:
+        """The packed JPEGs decoded (one call), cropped, resized and flipped (two launches), in
+        the order of ``packed["rows"]``; the batch rows that no decoder could make."""
+        began = time.perf_counter()
         datas = list(torch.split(packed["data"], packed["lengths"])) if packed["lengths"] else []
-        images = self._decode(datas)
-        failed, flipped = [], []
-        for data, image, box, where, row in zip(
-            datas, images, packed["boxes"], packed["where"], packed["rows"], strict=True
-        ):
-            if image is None:  # nvJPEG refused it: libjpeg-turbo on the CPU, as the CPU path's whole decode
-                image = _cpu_decode(data, where)
-                if image is None:
-                    failed.append(row)
-                    continue
-                self.counts["cpu"] += 1
-            else:
-                self.counts["gpu"] += 1
-            out[row] = resized_crop(image, box, self.size).to(self.device)
-            if box[4]:
-                flipped.append(row)
-        if flipped:  # one flip for all of them, not a kernel per image
-            out[flipped] = out[flipped].flip(-1)
+        boxes = packed["boxes"]
+        regions = [tuple(box[:4]) if self.train else None for box in boxes]
+        src, places = self.codec.decode(datas, regions)
+        decoded = time.perf_counter()
+        self.host["decode"] += decoded - began
+        geometry = [self._geometry(box) for box in boxes]
+        on_device = [i for i, place in enumerate(places) if place is not None]
+        made = self.resize(src, [places[i] for i in on_device], [geometry[i] for i in on_device])
+        self.counts["gpu"] += len(on_device)
+        self.host["resize"] += time.perf_counter() - decoded
+        if len(on_device) == len(places):
+            return made, []
+        return self._on_cpu(packed, datas, places, geometry, made, on_device)
+
+    def _on_cpu(self, packed, datas, places, geometry, made, on_device) -> tuple[torch.Tensor, list[int]]:
+        """The JPEGs the device's decoder refused, decoded here by libjpeg-turbo (as the CPU path's
+        whole decode) and resized one by one; those that neither decodes are left out."""
+        out = torch.empty((len(places), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+        out = out.contiguous(memory_format=torch.channels_last)
+        if on_device:
+            out[on_device] = made
+        failed, kept = [], []
+        for i, place in enumerate(places):
+            if place is not None:
+                kept.append(i)
+                continue
+            image = _cpu_decode(datas[i], packed["where"][i])
+            if image is None:
+                failed.append(packed["rows"][i])
+                continue
+            kept.append(i)
+            top, left, height, width = packed["boxes"][i][:4]
+            region = image[:, top : top + height, left : left + width].permute(1, 2, 0).contiguous().flatten()
+            place = Place(0, width * 3, height, width)
+            out[i] = reference(region.to(self.device), [place], [geometry[i]], self.size)[0]
+            self.counts["cpu"] += 1
         self.counts["failed"] += len(failed)
-        return failed
+        return out, failed
 
-    def _decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Every JPEG decoded in one batched call; where that fails (one bad image fails the
-        whole call), each on its own, None for those the device's decoder refuses."""
-        if not datas:
-            return []
-        try:
-            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
-        except RuntimeError:
-            return [self._decode_one(data) for data in datas]
-
-    def _decode_one(self, data: torch.Tensor) -> torch.Tensor | None:
-        try:
-            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        except RuntimeError:
-            return None
-
-
-def resized_crop(image: torch.Tensor, box: Sequence[int], size: int) -> torch.Tensor:
-    """The drawn crop of a decoded uint8 C x H x W image, resized to size x size (bilinear,
-    antialiased), as float pixels rounded to whole grey levels: what the CPU path's
-    RandomResizedCrop makes of the same draw, within a grey level (it resizes uint8 with integer
-    weights). As torchvision resizes uint8 on a GPU, in four kernels and little Python: a batch
-    holds hundreds of images, and each kernel's launch costs the training process time."""
-    top, left, height, width = box[:4]
-    region = image[:, top : top + height, left : left + width].unsqueeze(0).float()
-    out = torch.nn.functional.interpolate(region, size=(size, size), mode="bilinear", antialias=True)
-    return out[0].round_()  # the triangle filter's weights are >= 0: no value leaves 0..255
+    def _geometry(self, box: Sequence[int]) -> Geometry:
+        return train_geometry(self.size, box[4]) if self.train else eval_geometry(box[2], box[3], self.size)
 
 
 def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:

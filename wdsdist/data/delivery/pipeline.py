@@ -57,8 +57,8 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from wdsdist.data.cores import auto_workers
 from wdsdist.data.decode import gpu, jpegcrop
+from wdsdist.data.decode.codecs import planned as planned_decoder  # noqa: F401 (the Loader names it)
 from wdsdist.data.decode.gpu import BatchDecoder
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.delivery.gpubatches import decoded_ahead
@@ -133,7 +133,9 @@ class RankLoader:
             self.tracker.load(restored.point, restored.batches)
         self.turn = restored.turn  # the worker whose batch comes next (the DataLoader's turn)
         # decode=gpu: batches of bytes, decoded on the device (decode/gpu.py)
-        self.decoder = BatchDecoder(cfg.image_size, gpu.device()) if cfg.decode == "gpu" else None
+        self.decoder = None
+        if cfg.decode == "gpu":
+            self.decoder = BatchDecoder(cfg.image_size, gpu.device(), train=cfg.train, engine=cfg.gpu_decoder)
         shared = None
         if cfg.workers > 0 and cfg.reuse_buffers and self.decoder is None:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
@@ -434,18 +436,9 @@ def make_eval_loader(
         dsrepeat=1,
         cross_shuffle=0,
         shuffle_buffer=0,
-        workers=min(eval_workers(cfg), mine),
-        decode="cpu",  # evaluation's resize and centre crop: on the CPU, in the workers
+        workers=min(int(cfg.workers), mine),  # decode=gpu: they read, the GPU decodes, as in training
         reuse_buffers=False,  # passes are short and far apart: no shared memory held between them
     )
     # Epoch mode without a plan: each iter() is one whole pass, so no sample counts are needed
     # (and no shard is opened at startup to count them).
     return RankLoader(shards, rank, world, ecfg)
-
-
-def eval_workers(cfg: LoaderConfig) -> int:
-    """The workers of an evaluation pass: the training loader's, but where those were sized
-    for decode=gpu (workers="auto"), sized anew for decoding on the CPU."""
-    if cfg.workers_why is None or cfg.decode != "gpu":
-        return int(cfg.workers)
-    return auto_workers(gpu=True, gpu_decode=False, node_ranks=cfg.node_ranks)[0]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wdsdist.data.decode.draws import CropDraw
+from wdsdist.data.decode.draws import CropDraw, whole_image
 from wdsdist.data.decode.jpegcrop import crop_decoder
 from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import batched, collate
@@ -374,7 +374,9 @@ class ShardStream(IterableDataset):
         transform = make_transform(cfg)
         crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
         # decode=gpu: JPEGs leave undecoded with their draws (decode/gpu.py)
-        draw = CropDraw(*transform.transforms) if cfg.decode == "gpu" else None
+        draw = None
+        if cfg.decode == "gpu":
+            draw = CropDraw(*transform.transforms) if cfg.train else whole_image
         prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw)
         shared = self.shared if info else None
         if shared is not None:

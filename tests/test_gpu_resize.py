@@ -1,0 +1,192 @@
+"""decode=gpu's batched crop-resize-flip (decode/resize.py, resize_kernels.py) and its decoders
+(decode/codecs.py), on CPU tensors: Triton's interpreter runs the kernels, nvImageCodec's CPU
+backend its region decode. Each is held to the CPU path's pixels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+from tests.conftest import write_tiny_shards
+from tests.helpers.jpegs import encode
+from wdsdist.data import EvalLoader, LoaderConfig, UserError
+from wdsdist.data.decode import codecs, gpu
+from wdsdist.data.decode.resize import BatchResize, Place, eval_geometry, reference, train_geometry
+
+HAVE_NVIMGCODEC = codecs.nvimgcodec_version() is not None
+needs_nvimgcodec = pytest.mark.skipif(not HAVE_NVIMGCODEC, reason="nvImageCodec (the [gpu] extra) is not installed")
+
+
+def noise(width: int, height: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (3, height, width), generator=g, dtype=torch.uint8)
+
+
+def photo(width: int, height: int, seed: int) -> torch.Tensor:
+    return decode_jpeg(torch.frombuffer(bytearray(encode(width, height, seed)), dtype=torch.uint8))
+
+
+def packed(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[Place]]:
+    """CHW images as the decoders leave them: H x W x 3, one after another in one buffer."""
+    chunks, places, start = [], [], 0
+    for image in images:
+        _, h, w = image.shape
+        chunks.append(image.permute(1, 2, 0).flatten())
+        places.append(Place(start, w * 3, h, w))
+        start += h * w * 3
+    return torch.cat(chunks), places
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Within one grey level at p99.9 (the CPU path resizes uint8 with integer weights)."""
+    assert a.shape == b.shape
+    diff = (a.int() - b.int()).abs().flatten().float()
+    assert torch.quantile(diff, 0.999) <= 1, (diff.max(), diff.mean())
+    assert diff.mean() < 0.25
+
+
+SETS = {"photos": photo, "noise": noise}
+TRAIN, EVAL = 32, 24
+EVALUATION = v2.Compose([v2.Resize(round(EVAL / 0.875), antialias=True), v2.CenterCrop(EVAL)])
+
+
+def training_case(make):
+    """Five images, their drawn crops (as the CPU path draws them), every other one flipped."""
+    crop = v2.RandomResizedCrop(TRAIN, antialias=True)
+    torch.manual_seed(3)
+    images = [make(w, h, seed) for seed, (w, h) in enumerate([(90, 70), (40, 64), (150, 120), (33, 31), (70, 90)])]
+    boxes = [crop.make_params([image]) for image in images]
+    regions = [
+        image[:, p["top"] : p["top"] + p["height"], p["left"] : p["left"] + p["width"]]
+        for image, p in zip(images, boxes, strict=True)
+    ]
+    src, places = packed(regions)
+    flips = [i % 2 for i in range(len(images))]
+    return images, boxes, flips, src, places
+
+
+def evaluation_case(make):
+    images = [make(w, h, seed) for seed, (w, h) in enumerate([(90, 70), (41, 64), (29, 200), (27, 28)])]
+    src, places = packed(images)
+    return images, src, places, [eval_geometry(p.height, p.width, EVAL) for p in places]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Every case through the kernels, under the interpreter, in one process."""
+    pytest.importorskip("triton")
+    from tests.helpers.interpreted import kernels
+
+    cases = {}
+    for name, make in SETS.items():
+        _, _, flips, src, places = training_case(make)
+        cases[f"train-{name}"] = (src, places, [train_geometry(TRAIN, f) for f in flips], TRAIN)
+        cases[f"unflipped-{name}"] = (src, places, [train_geometry(TRAIN, 0)] * len(places), TRAIN)
+        _, src, places, geometry = evaluation_case(make)
+        cases[f"eval-{name}"] = (src, places, geometry, EVAL)
+    return kernels(cases, tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_kernels_make_the_cpu_paths_training_crops_within_a_grey_level(made, name):
+    images, boxes, flips, _, _ = training_case(SETS[name])
+    out = made[f"train-{name}"]
+    assert out.shape == (5, 3, TRAIN, TRAIN) and out.dtype == torch.uint8
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    for image, p, flip, row in zip(images, boxes, flips, out, strict=True):
+        want = F.resized_crop(image, **p, size=[TRAIN, TRAIN], antialias=True)  # the CPU path's uint8 resize
+        close(row, want.flip(-1) if flip else want)
+    # A flip is exact: the same draws unflipped give the mirror image, value for value
+    unflipped = made[f"unflipped-{name}"]
+    assert all(torch.equal(out[i], unflipped[i].flip(-1) if flips[i] else unflipped[i]) for i in range(5))
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_kernels_make_the_cpu_paths_evaluation_crops_within_a_grey_level(made, name):
+    images, src, places, geometry = evaluation_case(SETS[name])
+    out = made[f"eval-{name}"]
+    assert out.shape == (4, 3, EVAL, EVAL)
+    for image, row in zip(images, out, strict=True):
+        close(row, EVALUATION(image))
+    # torch's per-image reference, which runs where neither a GPU nor the interpreter is
+    close(reference(src, places, geometry, EVAL), out)
+
+
+def test_the_reference_runs_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resize = BatchResize(16, torch.device("cpu"))
+    assert not resize.kernels and "per image" in resize.how
+    src, places = packed([photo(40, 30, 1)])
+    assert resize(src, places, [train_geometry(16, 1)]).shape == (1, 3, 16, 16)
+
+
+@needs_nvimgcodec
+@pytest.mark.parametrize("regions", [True, False], ids=["regions", "whole-then-crop"])
+def test_nvimagecodec_decodes_the_drawn_regions_as_libjpeg_turbo_does(regions):
+    codec = codecs.NvImageCodec(torch.device("cpu"), None, regions=regions)
+    datas = [encode(90, 70, 1), encode(64, 80, 2), encode(120, 100, 3, mode="L")]
+    wanted = [(10, 5, 40, 50), None, (0, 0, 100, 120)]
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
+    src, places = codec.decode(tensors, wanted)
+    assert all(p is not None for p in places)
+    for data, region, p in zip(tensors, wanted, places, strict=True):
+        turbo = decode_jpeg(data, mode=ImageReadMode.RGB)
+        if region is not None:
+            top, left, h, w = region
+            turbo = turbo[:, top : top + h, left : left + w]
+        got = src[p.start : p.start + (p.height - 1) * p.stride + p.width * 3].as_strided(
+            (3, p.height, p.width), (1, p.stride, 3)
+        )
+        assert torch.equal(got, turbo)  # libjpeg-turbo's chroma upsampling: the same values
+    # The buffer is reused: a second batch of the same sizes takes no new one
+    buffer = codec.arena.buffer
+    codec.decode(tensors, wanted)
+    assert codec.arena.buffer.data_ptr() == buffer.data_ptr()
+
+
+@needs_nvimgcodec
+def test_nvimagecodec_refuses_what_it_cannot_decode_and_the_batch_goes_on():
+    codec = codecs.NvImageCodec(torch.device("cpu"), None)
+    good = encode(60, 40, 1)
+    bad = bytearray(good)
+    bad[bad.find(b"\xff\xc0") + 12] = 3  # a quantization table that is not there
+    tensors = [torch.frombuffer(bytearray(x), dtype=torch.uint8) for x in (good, bytes(bad), b"\xff\xd8junk")]
+    _, places = codec.decode(tensors, [(0, 0, 40, 60)] * 3)
+    assert places[0] is not None and places[1] is None and places[2] is None
+
+
+def test_without_the_extra_torchvisions_decoder_is_used_and_named(monkeypatch):
+    monkeypatch.setattr(codecs, "nvimgcodec_version", lambda: None)
+    decoder = gpu.BatchDecoder(16, torch.device("cpu"))
+    assert isinstance(decoder.codec, codecs.TorchvisionCodec)
+    assert "torchvision's nvJPEG" in decoder.described and "pixels differ" in decoder.described
+    with pytest.raises(UserError, match=r"^loader.gpu_decoder=nvimgcodec: nvidia-nvimgcodec-cu13 is not installed"):
+        gpu.BatchDecoder(16, torch.device("cpu"), engine="nvimgcodec")
+
+
+@needs_nvimgcodec
+def test_with_the_extra_but_no_cuda_decode_gpu_stops_in_one_line_naming_it():
+    with pytest.raises(UserError) as caught:
+        gpu.device()
+    line = str(caught.value)
+    assert "\n" not in line and "torch sees no CUDA GPU" in line and codecs.NVIMGCODEC in line
+
+
+@pytest.mark.parametrize("engine", ["nvimgcodec", "torchvision"])
+def test_decode_gpu_evaluates_on_the_cpu_paths_samples_and_labels(tmp_path, monkeypatch, engine):
+    if engine == "nvimgcodec" and not HAVE_NVIMGCODEC:
+        pytest.skip("nvImageCodec (the [gpu] extra) is not installed")
+    monkeypatch.setattr(gpu, "device", lambda: torch.device("cpu"))
+    index = write_tiny_shards(tmp_path / "s", [12, 12, 9], size=56)
+    base = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch"}
+    cpu = list(EvalLoader(str(index), LoaderConfig(**base)))
+    on_gpu = EvalLoader(str(index), LoaderConfig(**base, decode="gpu", gpu_decoder=engine))
+    got = list(on_gpu)
+    assert [len(b["label"]) for b in got] == [len(b["label"]) for b in cpu]
+    for a, b in zip(cpu, got, strict=True):
+        assert torch.equal(a["label"], b["label"]) and torch.equal(a["id"], b["id"])
+        assert b["image"].is_contiguous(memory_format=torch.channels_last)
+        close(b["image"], a["image"])
