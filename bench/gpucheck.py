@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import gpucheck_loader  # noqa: E402  (bench/, beside this file)
+import gpucheck_decoder  # noqa: E402  (bench/, beside this file)
+import gpucheck_loader  # noqa: E402
 import gpucheck_report  # noqa: E402
 import gpucheck_train  # noqa: E402
 from machine import cpu_model  # noqa: E402
@@ -61,6 +62,8 @@ class Sizes:
     models: tuple[str, ...]
     cpu_workers: str  # (c): trainer.workers for CPU decode
     gpu_workers: tuple[int, ...]  # (c): trainer.workers for GPU decode
+    gpu_decoders: tuple[str, ...]  # (c), (d), (e): loader.gpu_decoder values
+    accuracy_seeds: tuple[int, ...]  # (f)
     loader_workers: tuple[int, ...]  # (d): CPU decode
     loader_window_s: float  # (d): each row timed in windows of this, until three agree (steady)
     loader_most_s: float  # (d): or until this has passed
@@ -85,12 +88,14 @@ GPU = Sizes(
     log_every=10,
     models=("resnet50", "resnet18"),
     cpu_workers="auto",
-    gpu_workers=(1, 2),
-    loader_workers=(1, 2, 4, 8, 15),
+    gpu_workers=(2,),
+    gpu_decoders=("torchvision", "nvimgcodec"),
+    accuracy_seeds=(0, 1, 2),
+    loader_workers=(15,),
     loader_window_s=2.0,
     loader_most_s=30.0,
     compute_steps=30,
-    budget_s=340.0,
+    budget_s=480.0,
 )
 # The rehearsal: tiny sizes, the CPU, explicit worker numbers.
 CPU = Sizes(
@@ -121,7 +126,9 @@ CPU = Sizes(
     log_every=2,
     models=("resnet18",),  # one model rehearses every step of the part
     cpu_workers="1",
-    gpu_workers=(1, 2),
+    gpu_workers=(2,),
+    gpu_decoders=("torchvision", "nvimgcodec"),
+    accuracy_seeds=(0,),
     loader_workers=(1, 2),
     loader_window_s=0.3,
     loader_most_s=1.5,
@@ -142,6 +149,7 @@ class Check:
     work: Path  # data and run folders (temporary)
     out: Path
     command: str
+    kit: Path = Path("gpu-kit")
     started: float = field(default_factory=time.perf_counter)
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     results: dict = field(default_factory=dict)
@@ -205,11 +213,13 @@ def prepare(check: Check, part: dict) -> None:
 
 PARTS = (
     ("data", "the JPEG sets, as shards", prepare),
+    ("probe", "nvImageCodec's releases on this GPU: region decode and pixels", gpucheck_decoder.probe),
     ("a", "the default job", gpucheck_train.default_job),
     ("b", "a torchrun run resumed with trainer.resume=auto", gpucheck_train.resume),
     ("c", "ImageNet-size JPEGs through train.py: CPU and GPU decode", gpucheck_train.imagenet_size),
     ("d", "the loader alone", gpucheck_loader.loader_alone),
     ("e", "pixels: GPU decode against CPU decode", gpucheck_loader.pixels),
+    ("f", "the default job's accuracy: decode=cpu against decode=gpu, seed by seed", gpucheck_train.accuracy),
 )
 
 
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="wdsdist-gpu-check-"))
     command = " ".join(["./run gpu-check", *(argv if argv is not None else sys.argv[1:])])
-    check = Check(sizes, work, out, command)
+    check = Check(sizes, work, out, command, Path(args.kit).resolve())
     check.results = {"command": command, "date": check.date, "sizes": asdict(sizes), "parts": {}}
     check.say(f"gpu-check ({'rehearsal on the CPU' if args.cpu else 'GPU'}): work in {work}, report in {out}")
     try:

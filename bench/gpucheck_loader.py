@@ -150,15 +150,16 @@ def loader_alone(check: Any, part: dict) -> None:
     sizes, cuda = check.sizes, not check.cpu
     index = index_of(check, "photos")
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
-    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers] + [("gpu", 2)]
+    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers]
+    runs += [(f"gpu/{d}", 2) for d in sizes.gpu_decoders]
     for decode, workers in runs:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)
-        if decode == "gpu" and not cuda:
+        if decode != "cpu" and not cuda:
             row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
             continue
         try:
-            extra = {"decode": "gpu"} if decode == "gpu" else {}
+            extra = {"decode": "gpu", "gpu_decoder": decode.split("/")[1]} if decode != "cpu" else {}
             config = LoaderConfig(**common, **extra, workers=workers)
             row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
             state = "steady" if row["steady"] else f"not steady after {row['timed_s']} s"
@@ -234,14 +235,20 @@ def pixels(check: Any, part: dict) -> None:
     sizes = check.sizes
     common = {"batch_size": PIXEL_BATCH, "image_size": sizes.image_size, "num_classes": NCLASSES, "workers": 2}
     common |= {"with_keys": True, "seed": 0}
-    pair = (LoaderConfig(**common), LoaderConfig(**common, decode="gpu"))
-    part["compared"] = "CPU decode (libjpeg-turbo, region) against GPU decode (nvJPEG), the same draws"
+    part["compared"] = "CPU decode (libjpeg-turbo, region) against each GPU decoder, the same draws"
     if check.cpu:
-        gpu.device = lambda: torch.device("cpu")  # this process only: the rehearsal's last part
+        gpu.device = lambda: torch.device("cpu")  # this process only: the rehearsal's last parts
         part["compared"] = "rehearsal: CPU decode against decode=gpu's functions on CPU tensors"
-    for prefix in ("pixels-photos", "pixels-noise"):
-        row = {"set": prefix.removeprefix("pixels-"), "status": "ok"}
-        part["rows"].append(row)
-        row |= compare(index_of(check, prefix), pair, sizes.pixel_images)
-        check.say(f"  {row['set']}: max {row['max']}, p99.9 {row['p99_9']}, exact {100 * row['exact_share']:.2f}%")
-        check.save()
+    for decoder in sizes.gpu_decoders:
+        pair = (LoaderConfig(**common), LoaderConfig(**common, decode="gpu", gpu_decoder=decoder))
+        for prefix in ("pixels-photos", "pixels-noise"):
+            row = {"set": prefix.removeprefix("pixels-"), "decoder": decoder, "status": "ok"}
+            part["rows"].append(row)
+            try:
+                row |= compare(index_of(check, prefix), pair, sizes.pixel_images)
+                say = f"max {row['max']}, p99.9 {row['p99_9']}, exact {100 * row['exact_share']:.2f}%"
+            except Exception as exc:  # a decoder that fails is reported; the other still runs
+                row |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
+                say = f"failed: {row['error']}"
+            check.say(f"  {decoder}, {row['set']}: {say}")
+            check.save()

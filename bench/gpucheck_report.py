@@ -79,7 +79,8 @@ def resume_table(part: dict) -> list[str]:
 def imagenet_table(part: dict) -> list[str]:
     after = part.get("steady_after", 0)
     header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
-    header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "wall", "note"]
+    header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "training process CPU per 256"]
+    header += ["host ms per batch: decode / resize / hand-over", "wall", "note"]
     rows = [
         [
             r["model"],
@@ -91,12 +92,38 @@ def imagenet_table(part: dict) -> list[str]:
             times(r.get("of_pure")),
             pct(r.get("steady_data_wait")),
             cores(r),
+            f"{num(r.get('own_cpu_ms_per_256'), 1)} ms",
+            host_ms(r.get("host_ms")),
             seconds(r.get("wall_s")),
             note(r),
         ]
         for r in part["rows"]
     ]
     return table(header, rows)
+
+
+def host_ms(h: dict | None) -> str:
+    return " / ".join(num(h[k], 2) for k in ("decode", "resize", "hand_over")) if h else "-"
+
+
+def probe_table(part: dict) -> list[str]:
+    rows = []
+    for r in part.get("rows", []):
+        for mode in ("regions", "whole"):
+            m = r.get(mode) or {}
+            refused = f"{m.get('refused')} of {m.get('images')}" if "images" in m else "-"
+            said = m.get("error") or r.get("error") or ""
+            rows.append([r["release"], mode, "yes" if m.get("ok") else "NO", refused, num(m.get("p99_9"), 1)])
+            rows[-1] += [num(m.get("max")), num(m.get("mean"), 3), said[:200]]
+    lines = [f"{part['verdict']}.\n"] if "verdict" in part else []
+    header = ["release", "decode", "works", "refused", "p99.9 vs libjpeg-turbo", "max", "mean", "note"]
+    return lines + table(header, rows)
+
+
+def accuracy_table(part: dict) -> list[str]:
+    rows = [[str(r["seed"]), r["decode"], pct(r.get("val_top1")), note(r)] for r in part.get("rows", [])]
+    lines = [f"{part['verdict']}.\n"] if "verdict" in part else []
+    return lines + table(["seed", "decode", "val top-1", "note"], rows)
 
 
 def loader_table(part: dict) -> list[str]:
@@ -120,6 +147,7 @@ def pixel_table(part: dict) -> list[str]:
     rows = [
         [
             r["set"],
+            r.get("decoder", "torchvision"),
             num(r.get("images")),
             "yes" if r.get("same_samples") else "NO",
             pct(r.get("exact_share")),
@@ -131,7 +159,8 @@ def pixel_table(part: dict) -> list[str]:
         for r in part["rows"]
     ]
     lines = [f"Compared: {part['compared']}; grey levels (0-255) per value.\n"] if "compared" in part else []
-    return lines + table(["set", "images", "same keys and labels", "equal", "p99.9", "max", "mean", "note"], rows)
+    header = ["set", "GPU decoder", "images", "same keys and labels", "equal", "p99.9", "max", "mean", "note"]
+    return lines + table(header, rows)
 
 
 TABLES = {
@@ -141,6 +170,8 @@ TABLES = {
     "c": imagenet_table,
     "d": loader_table,
     "e": pixel_table,
+    "probe": probe_table,
+    "f": accuracy_table,
 }
 
 
@@ -186,9 +217,13 @@ def settled(results: dict) -> list[str]:
     for r in parts.get("e", {}).get("rows", []):
         if r.get("status") == "ok":
             out.append(
-                f"- (e) {r['set']}: the two decodes differ by at most {r['max']} grey levels (p99.9 {r['p99_9']}, "
+                f"- (e) {r['set']}, {r.get('decoder', 'torchvision')}: the two decodes differ by at most "
+                f"{r['max']} grey levels (p99.9 {r['p99_9']}, "
                 f"{pct(r['exact_share'])} of values equal), same samples: {'yes' if r['same_samples'] else 'NO'}."
             )
+    for key in ("probe", "f"):
+        if "verdict" in parts.get(key, {}):
+            out.append(f"- ({key}) {parts[key]['verdict']}.")
     for key, part in parts.items():
         if part.get("status") in ("failed", "skipped"):
             out.append(f"- ({key}) {part['status']}: {part.get('error')}")

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW = re.compile(r"^step (\d+)(?:/\d+)? loss .*? (\d+(?:\.\d+)?) samples/s data-wait (\d+)%", re.MULTILINE)
 PLAN_WORKERS = re.compile(r"^plan: .* over \d+ ranks x (\d+) workers", re.MULTILINE)
 LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and why, where it decodes
+HOST_LINE = re.compile(r"host time per batch: decode ([\d.]+) ms, resize ([\d.]+) ms, hand-over ([\d.]+) ms")
 
 
 # ---------------------------------------------------------------- reading a run
@@ -67,6 +68,8 @@ class CpuWatch:
     def __init__(self, log: Path, period: float = 0.25):
         self.log, self.period = log, period
         self.samples: list[tuple[float, int, int]] = []  # (time, busy, all)
+        self.own: list[tuple[float, float]] = []  # (time, CPU seconds of the training process itself)
+        self.pid: int | None = None
         self.seen: dict[int, float] = {}  # step of a metrics line -> when it was first seen
         self.cpus = proc_stat()[2]
         self._stop = threading.Event()
@@ -85,6 +88,12 @@ class CpuWatch:
         busy, total, _ = proc_stat()
         now = time.perf_counter()
         self.samples.append((now, busy, total))
+        if self.pid is not None:
+            try:
+                fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                self.own.append((now, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")))
+            except (OSError, IndexError, ValueError):
+                pass
         try:
             text = self.log.read_text(errors="replace")
         except OSError:
@@ -110,7 +119,19 @@ class CpuWatch:
         start = self.seen.get(after)
         last = max(self.seen.values(), default=None)
         calm = self.cores(start, last) if start is not None and last is not None else None
-        return {"cores_busy": calm, "cores_busy_whole_run": whole}
+        return {"cores_busy": calm, "cores_busy_whole_run": whole, "own_cpu_s": self.own_cpu(start, last)}
+
+    def own_cpu(self, t0: float | None, t1: float | None) -> float | None:
+        """CPU seconds the training process itself (its threads, not its workers) spent between t0 and t1."""
+        inside = [s for s in self.own if t0 is not None and t1 is not None and t0 <= s[0] <= t1]
+        return inside[-1][1] - inside[0][1] if len(inside) >= 2 else None
+
+    def steps_between(self, after: int) -> tuple[int, int] | None:
+        """The first and last step of the steady windows whose CPU own_cpu measures."""
+        start, last = self.seen.get(after), max(self.seen.values(), default=None)
+        if start is None or last is None:
+            return None
+        return after, max(step for step, t in self.seen.items() if t == last)
 
 
 def error_line(text: str) -> str:
@@ -138,11 +159,13 @@ def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(out_path, "w") as out, CpuWatch(run_dir / "train.log") as watch:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        watch.pid = proc.pid  # plain train.py: the process that trains (torchrun's agent is not)
         try:
-            rc = subprocess.run(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=max(30.0, check.left())
-            ).returncode
+            rc = proc.wait(timeout=max(30.0, check.left()))
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             rc = None
     wall = time.perf_counter() - t0
     text = out_path.read_text(errors="replace")
@@ -151,6 +174,10 @@ def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: 
     summary = json.loads(summary_path.read_text()) if rc == 0 and summary_path.exists() else None
     result = {"run_dir": str(run_dir), "wall_s": wall, "summary": summary, "windows": windows(log), "log": log}
     result |= watch.busy(after)
+    result["own_steps"] = watch.steps_between(after)
+    host = HOST_LINE.search(log)
+    if host:
+        result["host_ms"] = {k: float(v) for k, v in zip(("decode", "resize", "hand_over"), host.groups(), strict=True)}
     plan = PLAN_WORKERS.search(log)
     result["workers_used"] = int(plan.group(1)) if plan else None
     said = LOADER_LINE.search(log)
@@ -171,6 +198,10 @@ def run_row(result: dict, after: int, global_batch: int) -> dict:
     row |= {"samples_per_s": s.get("samples_per_s"), "data_wait": s.get("data_wait"), "val_top1": s.get("val_top1")}
     row |= steady(result["windows"], after, global_batch, start=s.get("resumed_from_step") or 0)
     row |= {k: result[k] for k in ("cores_busy", "cores_busy_whole_run", "workers_used", "loader_line")}
+    row["host_ms"] = result.get("host_ms")
+    steps, own = result.get("own_steps"), result.get("own_cpu_s")
+    if steps and own is not None and steps[1] > steps[0]:  # the training process's CPU per 256 images
+        row["own_cpu_ms_per_256"] = 1000 * own / ((steps[1] - steps[0]) * global_batch) * 256
     return row
 
 
@@ -303,15 +334,66 @@ def imagenet_size(check: Any, part: dict) -> None:
         common += [f"trainer.log_every={sizes.log_every}", *device]
         pure = pure_compute(common, sizes.device, sizes.compute_steps)
         check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
-        configs = [("cpu", sizes.cpu_workers)] + [("gpu", str(w)) for w in sizes.gpu_workers]
+        configs = [("cpu", sizes.cpu_workers)]
+        configs += [(f"gpu/{d}", str(w)) for w in sizes.gpu_workers for d in sizes.gpu_decoders]
         for decode, workers in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
             part["rows"].append(row)
-            if decode == "gpu" and check.cpu:
+            if decode != "cpu" and check.cpu:
                 row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
                 continue
-            extra = [f"trainer.workers={workers}"] + (["loader.decode=gpu"] if decode == "gpu" else [])
-            result = train_py(check, f"c-{model}-{decode}-{workers}", common + extra, sizes.warmup)
+            extra = [f"trainer.workers={workers}"]
+            if decode != "cpu":
+                extra += ["loader.decode=gpu", f"loader.gpu_decoder={decode.split('/')[1]}"]
+            result = train_py(check, f"c-{model}-{decode.replace('/', '-')}-{workers}", common + extra, sizes.warmup)
             row |= run_row(result, sizes.warmup, sizes.batch)
             beside(row, pure)
             check.save()
+
+
+def accuracy(check: Any, part: dict) -> None:
+    """(f): the default job's val top-1 with decode=cpu and with decode=gpu (training and
+    evaluation through the same decoder), seed by seed, all runs at once on the one GPU (each
+    on a few workers): what decode=gpu's pixels cost in accuracy, if anything."""
+    sizes = check.sizes
+    if check.cpu:
+        part["verdict"] = "GPU decode needs CUDA (--cpu rehearsal)"
+        return
+    runs = {}
+    for seed in sizes.accuracy_seeds:
+        for decode in ("cpu", "gpu"):
+            name = f"f-{decode}-{seed}"
+            run_dir = check.work / "runs" / name
+            args = [*synthetic_data(check), f"seed={seed}", "trainer.workers=2", f"loader.decode={decode}"]
+            args += [f"outputs={check.work / 'outputs'}", f"run_dir={run_dir}", "trainer.ckpt_every=0"]
+            (check.work / "runs").mkdir(parents=True, exist_ok=True)
+            out = open(check.work / "runs" / f"{name}.out", "w")  # noqa: SIM115 (closed below)
+            proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            runs[(seed, decode)] = (proc, out, run_dir)
+    check.say(f"  {len(runs)} runs of the default job at once: seeds {list(sizes.accuracy_seeds)}, decode cpu and gpu")
+    for (seed, decode), (proc, out, run_dir) in runs.items():
+        try:
+            rc = proc.wait(timeout=max(30.0, check.left()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        out.close()
+        summary = run_dir / "summary.json"
+        top1 = json.loads(summary.read_text()).get("val_top1") if rc == 0 and summary.exists() else None
+        row = {"seed": seed, "decode": decode, "val_top1": top1, "status": "ok" if top1 is not None else "failed"}
+        if top1 is None:
+            row["error"] = error_line(Path(out.name).read_text(errors="replace"))
+        part["rows"].append(row)
+    check.save()
+    by = {
+        d: [r["val_top1"] for r in part["rows"] if r["decode"] == d and r["val_top1"] is not None]
+        for d in ("cpu", "gpu")
+    }
+    if all(len(v) == len(sizes.accuracy_seeds) for v in by.values()):
+        mean = {d: sum(v) / len(v) for d, v in by.items()}
+        part["mean"] = mean
+        gap = 100 * (mean["gpu"] - mean["cpu"])
+        part["verdict"] = (
+            f"val top-1 over {len(by['cpu'])} seeds: decode=cpu {100 * mean['cpu']:.2f} %, decode=gpu "
+            f"{100 * mean['gpu']:.2f} % ({gap:+.2f} points; target: within 0.5)"
+        )

@@ -29,6 +29,14 @@ sys.path.insert(0, str(ROOT))
 NEEDED = ("hydra-core", "omegaconf", "webdataset", "braceexpand")
 SDIST_ONLY = "antlr4-python3-runtime"  # hydra-core's and omegaconf's parser: no wheel on PyPI
 LIMIT_MB = 60  # the kit travels with the working tree to the GPU machine
+# decode=gpu's decoder (the [gpu] extra), each release to be tried on the GPU (nvImageCodec#55:
+# region decode crashes on some GPUs in 0.9.0), and the nvJPEG it loads. Each wheel is cut to what
+# decode=gpu loads (one Python's module, the JPEG extensions): the two whole ones are 57 MB.
+NVIMGCODEC_RELEASES = ("0.8.0.22", "0.9.0.20")
+# nvJPEG 13.2 or newer: before it, nvImageCodec's hardware decoder refuses a region with chroma
+# interpolation (bench/results/2026-11-28-gpu-check.md).
+NVJPEG = "nvidia-nvjpeg==13.3.2.43"
+KEEP_EXTENSIONS = ("libnvjpeg_ext", "libjpeg_turbo_ext")
 PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([^\s;#]+)")
 
 
@@ -84,6 +92,57 @@ def fetch_wheels(kit: Path, python_version: str) -> None:
     pip("wheel", "--no-deps", "-w", str(kit), sdist)
 
 
+def slim_member(name: str, python_tag: str) -> bool:
+    """Whether a wheel member is what decode=gpu loads: not the other Pythons' modules, the other
+    codecs' extensions, the headers, the DICOM tools, nor the ``nvidia/__init__.py`` that would
+    make ``nvidia`` a regular package and hide torch's CUDA libraries' namespace."""
+    if name == "nvidia/__init__.py" or "/include/" in name or "/tools/" in name or name.endswith("/RECORD"):
+        return False
+    if "nvimgcodec_impl.cpython-" in name:
+        return f"nvimgcodec_impl.{python_tag}-" in name
+    if "/extensions/" in name and not name.endswith("/"):
+        return name.rsplit("/", 1)[1].startswith(KEEP_EXTENSIONS)
+    return True
+
+
+def slim_wheel(wheel: Path, out: Path, python_tag: str) -> Path:
+    """``wheel`` rewritten into ``out`` with only the members slim_member keeps, and its RECORD."""
+    import base64
+    import hashlib
+    import zipfile
+
+    target = out / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
+        record, record_name = [], next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        for info in src.infolist():
+            if info.is_dir() or not slim_member(info.filename, python_tag):
+                continue
+            data = src.read(info)
+            dst.writestr(info, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{info.filename},sha256={digest},{len(data)}")
+        dst.writestr(record_name, "\n".join(record + [f"{record_name},,"]) + "\n")
+    return target
+
+
+def fetch_gpu_decoder(kit: Path, python_version: str) -> None:
+    """kit/nvimgcodec/: nvJPEG's wheel, and each nvImageCodec release cut down in a folder of its own."""
+    folder = kit / "nvimgcodec"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (28, 27, 17)] + ["--platform=manylinux2014_x86_64"]
+    common = ["download", "--no-deps", "--only-binary=:all:", "--python-version", python_version, *platforms]
+    pip(*common, "-d", str(folder), NVJPEG)
+    tag = "cpython-" + python_version.replace(".", "")
+    for release in NVIMGCODEC_RELEASES:
+        whole = folder / "whole"
+        pip(*common, "-d", str(whole), f"nvidia-nvimgcodec-cu13=={release}")
+        (folder / release).mkdir()
+        for wheel in whole.glob("*.whl"):
+            slim_wheel(wheel, folder / release, tag)
+        shutil.rmtree(whole)
+
+
 def build_jpegcrop(build: Path) -> Path:
     """jpegcrop compiled into ``build`` (the file name carries its source's hash), with the
     libjpeg it links beside it; older builds there removed."""
@@ -117,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     (kit / "build").mkdir(parents=True, exist_ok=True)
     print(f"gpu-kit: wheels into {kit}", flush=True)
     fetch_wheels(kit, args.python_version)
+    fetch_gpu_decoder(kit, args.python_version)
     so = build_jpegcrop(kit / "build")
     print(f"gpu-kit: {so.name} and libjpeg.so.62 in {kit / 'build'}", flush=True)
     for f in sorted(kit.rglob("*")):
