@@ -47,32 +47,38 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     assert md.stem == png.stem == js.stem and md.name[:4].isdigit()
     results = json.loads(js.read_text())
     parts = results["parts"]
-    assert list(parts) == ["data", "a", "b", "c", "d", "e"]
+    assert list(parts) == ["data", "probe", "a", "b", "c", "d", "e", "f"]
     assert {key: part["status"] for key, part in parts.items()} == dict.fromkeys(parts, "ok")
 
     [a] = parts["a"]["rows"]
     assert a["status"] == "ok" and a["steady_samples_per_s"] > 0 and a["pure_compute"] > 0 and a["val_top1"] is not None
     assert parts["b"]["resumed"] is True and [r["steps"] for r in parts["b"]["rows"]] == [2, 4]
     c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
-    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), ("gpu", "1"), ("gpu", "2")])
+    gpus = [("gpu/torchvision", "2"), ("gpu/nvimgcodec", "2")]
+    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), *gpus])
     for (_, decode, _), row in c.items():
         if decode == "cpu":
             assert row["status"] == "ok" and row["steady_samples_per_s"] > 0 and row["workers_used"] == 1
         else:
             assert row["status"] == "skipped" and "CUDA" in row["error"]
     d = [(r["decode"], r["workers"], r["status"]) for r in parts["d"]["rows"]]
-    assert d == [("cpu", 1, "ok"), ("cpu", 2, "ok"), ("gpu", 2, "skipped")]
+    assert d == [
+        ("cpu", 1, "ok"),
+        ("cpu", 2, "ok"),
+        ("gpu/torchvision", 2, "skipped"),
+        ("gpu/nvimgcodec", 2, "skipped"),
+    ]
     # The rehearsal runs decode=gpu's functions on CPU tensors: the same samples, the pixels
     # within the check's bound (the float resize against the CPU path's integer weights).
-    e = {r["set"]: r for r in parts["e"]["rows"]}
-    assert sorted(e) == ["noise", "photos"]
+    e = {(r["set"], r["decoder"]): r for r in parts["e"]["rows"]}
+    assert sorted(e) == sorted((s, d) for s in ("noise", "photos") for d in ("nvimgcodec", "torchvision"))
     assert all(r["same_samples"] and r["p99_9"] <= 2 and r["max"] <= 2 for r in e.values())
 
     text = md.read_text()
     for key in parts:
         assert f"## ({key}) " in text
     assert f"![samples/s per configuration beside pure compute]({png.name})" in text
-    assert "| resnet18 | gpu | 2 |" in text and "skipped: GPU decode needs CUDA" in text
+    assert "| resnet18 | gpu/nvimgcodec | 2 |" in text and "skipped: GPU decode needs CUDA" in text
     assert Image.open(png).text.get("Source") == md.name
     assert list(scratch.glob("wdsdist-gpu-check*")) == []  # its data and runs: a temporary folder, removed
 
