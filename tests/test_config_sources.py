@@ -74,6 +74,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         "decode_region": False,
         "decode_downscale": True,
         # decode=gpu is refused beside cross_shuffle and decode_downscale: it is handed over below
+        "gpu_decoder": "torchvision",
         "warm_start": False,
         "read_late": False,
         "cache_dir": str(tmp_path / "cache"),
