@@ -32,7 +32,9 @@ _EXPORTS = {
     "Transform": ("wdsdist.data.loader", "Transform"),
     "UserError": ("wdsdist.errors", "UserError"),
     "dist_layout": ("wdsdist.data.loader", "dist_layout"),
+    "decode_eval": ("wdsdist.data.delivery.pipeline", "decode_eval"),
     "expand_shards": ("wdsdist.data.delivery.pipeline", "expand_shards"),
+    "index_classes": ("wdsdist.data.delivery.pipeline", "index_classes"),
     "option_problems": ("wdsdist.data.options", "option_problems"),
     "pin_spec": ("wdsdist.data.sources.resolve", "pin_spec"),
 }
@@ -53,14 +55,16 @@ __all__ = [
     "StreamOptions",
     "Transform",
     "UserError",
+    "decode_eval",
     "dist_layout",
     "expand_shards",
+    "index_classes",
     "option_problems",
     "pin_spec",
 ]
 
 if TYPE_CHECKING:
-    from wdsdist.data.delivery.pipeline import expand_shards
+    from wdsdist.data.delivery.pipeline import decode_eval, expand_shards, index_classes
     from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
     from wdsdist.data.options import (
         LoaderConfig,

@@ -162,6 +162,21 @@ def prepare_sample(
     return _ready(transform(whole()), value)
 
 
+def eval_image(data: bytes, cfg: LoaderConfig, where: str) -> torch.Tensor:
+    """An image's bytes as evaluation makes them (``cfg.train`` False): decoded, resized and
+    centre-cropped by the same functions as in the evaluation loader's workers, uint8 CHW;
+    DataError naming ``where`` for an image that cannot be decoded or is too large."""
+    transform = make_transform(cfg)
+    if not data.startswith(jpegcrop.JPEG_MAGIC):
+        return transform(_decode_other(data, where, cfg.max_pixels))
+    _jpeg_size(data, where, None, cfg.max_pixels)
+    try:
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as exc:
+        raise DataError(f"{where}: cannot decode image: {exc}") from None
+    return transform(image)
+
+
 def _jpeg_size(data: bytes, where: str, crop: CropDecoder | None, max_pixels: int) -> tuple[int, int]:
     """A JPEG's (width, height) from its header (libjpeg's through ``crop``, else PIL's): a
     decompression bomb is refused before anything is allocated. DataError naming the sample."""

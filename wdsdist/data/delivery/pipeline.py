@@ -60,6 +60,7 @@ import webdataset as wds
 from wdsdist.data.decode import gpu, jpegcrop
 from wdsdist.data.decode.codecs import planned as planned_decoder  # noqa: F401 (the Loader names it)
 from wdsdist.data.decode.gpu import BatchDecoder
+from wdsdist.data.decode.sample import eval_image
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.delivery.sharedbatches import SharedBatches
@@ -379,6 +380,19 @@ def expand_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfig
     """The shards a spec names, checked (sources/resolve.py), as the loader's config says: what may
     be read (``cfg.access``) and whether a missing local shard is an error (``cfg.strict``)."""
     return resolve_shards(spec, cfg.access, strict=cfg.strict)
+
+
+def decode_eval(data: bytes, cfg: LoaderConfig, where: str = "image") -> torch.Tensor:
+    """One image's bytes as the evaluation loader makes them (decode, resize to round(size / 0.875)
+    on the shorter side, centre crop to ``cfg.image_size``): uint8 3 x size x size. DataError
+    naming ``where`` when it cannot be decoded. What predict.py feeds a model."""
+    return eval_image(bytes(data), replace(cfg, train=False), where)
+
+
+def index_classes(spec: str, cfg: LoaderConfig) -> list[str] | None:
+    """The class names a shard index lists (label i is ``classes[i]``); None where the spec is not
+    one index or its index lists none."""
+    return shardspec.spec_classes(spec, cfg.access) if isinstance(spec, str) else None
 
 
 def resumed(

@@ -32,7 +32,18 @@ from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Access", "SampleOffsets", "Shard", "check_access", "expand", "is_index", "is_remote", "read_index_shards"]
+__all__ = [
+    "Access",
+    "SampleOffsets",
+    "Shard",
+    "check_access",
+    "expand",
+    "is_index",
+    "is_remote",
+    "read_index_classes",
+    "read_index_shards",
+    "spec_classes",
+]
 
 MAX_INDEX_BYTES = 64 << 20  # an index of a million shards is ~60 MB; more is not an index but a memory attack
 # Sample offsets an index may hold in all: one for every sample of ImageNet's 1.28 M (16 MB packed
@@ -233,6 +244,34 @@ def read_index_shards(index_url: str, access: Access | None = None) -> list[Shar
     if not shards:
         raise UserError(f"{index_url}: the shard index lists no shards")
     return shards
+
+
+MAX_CLASSES = 1_000_000  # an index's class names: more is no image classifier's
+MAX_CLASS_NAME = 256
+
+
+def read_index_classes(index_url: str, access: Access | None = None) -> list[str] | None:
+    """The class names an index lists (makeshards.py writes them, label i named ``classes[i]``), or
+    None where it lists none; UserError naming the index where the list is not names."""
+    access = access or Access()
+    try:
+        desc = json.loads(_read_text(index_url, access))
+    except (ValueError, RecursionError) as exc:
+        raise UserError(f"{index_url}: not a shard index (not JSON: {exc})") from None
+    classes = desc.get("classes") if isinstance(desc, dict) else None
+    if classes is None:
+        return None
+    ok = isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES
+    if not ok or not all(isinstance(c, str) and 0 < len(c) <= MAX_CLASS_NAME for c in classes):
+        raise UserError(f"{index_url}: 'classes' must be a list of names (strings of 1-{MAX_CLASS_NAME} characters)")
+    return classes
+
+
+def spec_classes(spec: str, access: Access | None = None) -> list[str] | None:
+    """read_index_classes of a spec that is one index (pinned as its shards are read), else None."""
+    access = access or Access()
+    spec = spec.strip()
+    return read_index_classes(schemes.of(spec).pin(spec, access), access) if is_index(spec) else None
 
 
 def _table(entry: dict) -> bool:
