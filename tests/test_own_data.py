@@ -35,8 +35,8 @@ def test_data_shards_is_your_own_data_at_224_with_imagenet_normalisation():
     with pytest.raises(UserError) as missing:
         config.check(cfg)
     assert str(missing.value) == (
-        "data.train_shards, data.val_shards, data.num_classes: missing values; give them on the command line, "
-        "e.g. data.train_shards=... data.val_shards=... data.num_classes=... (data.val_shards=null: no evaluation)"
+        "data.train_shards, data.val_shards: missing values; give them on the command line, "
+        "e.g. data.train_shards=... data.val_shards=... (data.val_shards=null: no evaluation)"
     )
 
 
@@ -67,7 +67,6 @@ def test_the_readmes_own_data_commands_run_as_written(tmp_path):
     proc = run_script(
         str(ROOT / "train.py"),
         "data=shards",
-        "data.num_classes=3",
         "data.train_shards=shards/train.index.json",
         "data.val_shards=shards/val.index.json",
         "trainer.steps=1",
@@ -80,7 +79,8 @@ def test_the_readmes_own_data_commands_run_as_written(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["val_samples"] == 3
     resolved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "image_size: 224" in resolved and "num_classes: 3" in resolved
+    assert "image_size: 224" in resolved and "num_classes: 3" in resolved  # from the index
+    assert json.loads((tmp_path / "run" / "classes.json").read_text()) == summary["classes"]
 
 
 # ---------------------------------------------------------------- shard keys with the default data group

@@ -83,7 +83,12 @@ class DataConfig(SampleOptions):
     # MISSING, not None: a group's `???` merged onto a default of None would leave None, and a preset
     # that needs held-out shards would silently run without evaluation. null: no evaluation.
     val_shards: str | None = MISSING
-    num_classes: int = MISSING  # the trainer needs it (the model's outputs); the loader checks labels against it
+    # The model's outputs; the loader checks labels against it. null: the training index's class count
+    # (makeshards.py writes the names into it); a number that disagrees with the index stops the run.
+    num_classes: int | None = None
+    # Label i's name; null: the training index's (else "0", "1", ...). Kept in classes.json, every
+    # checkpoint and the exported config.json.
+    classes: list[str] | None = None
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
@@ -95,8 +100,12 @@ class DataConfig(SampleOptions):
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet18"  # any torchvision classification model
+    name: str = "resnet18"  # any torchvision classification model, or timm/NAME (the [timm] extra)
     stem: Stem = Stem.auto
+    # A pretrained start: DEFAULT or a torchvision weights name, or a .safetensors/.pt file or run
+    # directory (wdsdist/train/weights.py); its mean, std and image size apply unless given too.
+    weights: str | None = None
+    freeze_steps: int = 0  # with weights: only the new head trains for this many steps
 
 
 @dataclass
@@ -143,6 +152,15 @@ class TrainConfig:
     run_dir: str | None = None  # default: OUTPUTS/RUN_ID under torchrun with --rdzv_id, else OUTPUTS/TIMESTAMP
 
 
+def given_keys() -> set[str]:
+    """The config keys typed on the command line (Hydra's overrides), where Hydra runs this job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {_override_key(o) for o in HydraConfig.get().overrides.task}
+
+
 def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
@@ -175,6 +193,12 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         need(OmegaConf.select(cfg, key) >= 0, key, "must be >= 0")
     need(t.timeout_s > 0, "trainer.timeout_s", "must be > 0 (seconds)")
     need(t.epochs is None or t.epochs >= 1, "trainer.epochs", "must be >= 1")
+    need(cfg.model.freeze_steps >= 0, "model.freeze_steps", "must be >= 0")
+    need(
+        not cfg.model.freeze_steps or bool(cfg.model.weights),
+        "model.freeze_steps",
+        "needs model.weights (a pretrained start)",
+    )
     need(t.epochs is None or ld.mode == LoaderMode.epoch, "trainer.epochs", "needs loader.mode=epoch")
     need(len(d.mean) == 3 and len(d.std) == 3 and min(d.std) > 0, "data.mean", "mean and std need 3 values, std > 0")
     need(o.lr > 0, "optim.lr", "must be > 0")

@@ -81,7 +81,16 @@ def evaluate(
         "loss": float(loss_sum) / max(n, 1),
         "samples": n,
         "class_samples": total.tolist(),
+        "class_correct": correct.tolist(),
     }
+
+
+def weakest(result: dict, names: list[str], n: int = 3) -> list[tuple[str, float]]:
+    """The ``n`` classes of lowest top-1 in an evaluation (classes it had no sample of left out)."""
+    per = [
+        (c / t, i) for i, (c, t) in enumerate(zip(result["class_correct"], result["class_samples"], strict=True)) if t
+    ]
+    return [(names[i], top1) for top1, i in sorted(per)[:n]]
 
 
 def eval_sums(
@@ -126,6 +135,7 @@ class Evaluator:
         self.dist, self.model, self.loaders, self.on_device = dist, model, loaders, on_device
         self.report, self.watchdog = report, watchdog
         self.every, self.steps, self.num_classes = cfg.trainer.eval_every, steps, cfg.data.num_classes
+        self.names = list(cfg.data.classes or map(str, range(cfg.data.num_classes)))
         self.result: dict | None = None  # the last evaluation's of data.val_shards
         self.sources: dict[str, dict] = {}  # the last evaluation's of each of data.val_sources
 
@@ -154,7 +164,13 @@ class Evaluator:
         scalars, parts = {}, []
         if self.result is not None:
             scalars |= {"val/top1": self.result["top1"], "val/loss": self.result["loss"]}
-            parts.append(f"val top-1 {100 * self.result['top1']:.2f}% loss {self.result['loss']:.4f}")
+            low = weakest(self.result, self.names)
+            self.result["weakest"] = low
+            scalars |= {f"val/weakest/{name}": top1 for name, top1 in low}
+            worst = ", ".join(f"{name} {100 * top1:.1f}%" for name, top1 in low)
+            parts.append(
+                f"val top-1 {100 * self.result['top1']:.2f}% loss {self.result['loss']:.4f} (weakest: {worst})"
+            )
         for name, r in results.items():
             scalars |= {f"val/top1/{name}": r["top1"], f"val/loss/{name}": r["loss"]}
         if results:

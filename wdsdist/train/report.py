@@ -299,6 +299,8 @@ def done_line(summary: dict) -> str:
         parts.append(f"{summary['samples_per_s']:.0f} samples/s, data-wait {100 * summary['data_wait']:.1f}%")
     if summary["val_top1"] is not None:
         parts.append(f"val top-1 {100 * summary['val_top1']:.2f}% ({summary['val_samples']} samples)")
+        if summary.get("val_weakest"):
+            parts.append("weakest " + ", ".join(f"{name} {100 * top1:.1f}%" for name, top1 in summary["val_weakest"]))
     bad = (summary["skipped_samples"], summary["skipped_shards"], summary["skipped_shard_reads"])
     if bad[0] or bad[2]:
         parts.append(f"skipped {skipped_text(*bad, ' and')}")

@@ -188,6 +188,9 @@ def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
         "val_loss": last_eval.get("loss"),
         "val_samples": last_eval.get("samples"),
         "val_class_samples": last_eval.get("class_samples"),
+        "val_class_correct": last_eval.get("class_correct"),
+        "val_weakest": last_eval.get("weakest"),  # [name, top-1] of the lowest classes
+        "classes": list(run.cfg.data.classes),
         "skipped_samples": totals.bad_samples,
         "skipped_shards": len(totals.failed_shards),  # distinct shards
         "skipped_shard_reads": totals.bad_reads,  # failed reads of them (every pass over a bad shard fails)
