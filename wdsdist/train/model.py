@@ -14,7 +14,7 @@ import torchvision
 from omegaconf import DictConfig
 
 from wdsdist.errors import UserError
-from wdsdist.train import distributed
+from wdsdist.train import distributed, weights
 from wdsdist.train.config import OptimName, Stem
 from wdsdist.train.distributed import Dist
 
@@ -25,38 +25,97 @@ def _has_resnet_stem(model: nn.Module) -> bool:
     )
 
 
+TIMM = "timm/"  # model.name=timm/NAME: a timm model (the [timm] extra)
+
+
 def build_model(cfg: DictConfig) -> nn.Module:
-    """A torchvision classification model with data.num_classes outputs, its stem sized to the images."""
-    name, size = cfg.model.name, cfg.data.image_size
+    """The config's model (model.name) with data.num_classes outputs, its stem sized to the images."""
+    return make_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size, Stem(cfg.model.stem))
+
+
+def make_model(name: str, num_classes: int, size: int, stem: Stem = Stem.auto) -> nn.Module:
+    """A torchvision classification model, or timm's (``timm/NAME``), with ``num_classes`` outputs;
+    a ResNet's stem made small for images under 112 pixels (``stem``: auto) or as asked."""
+    if name.startswith(TIMM):
+        return timm_model(name.removeprefix(TIMM), num_classes)
     names = torchvision.models.list_models(module=torchvision.models)
     if name not in names:
         close = ", ".join(difflib.get_close_matches(name, names, n=3))
-        hint = f"; did you mean {close}?" if close else "; see torchvision.models.list_models()"
+        hint = f"; did you mean {close}?" if close else "; see torchvision.models.list_models(), or timm/NAME"
         raise UserError(f"model.name={name}: not a torchvision classification model{hint}")
-    kwargs: dict[str, Any] = {"num_classes": cfg.data.num_classes}
+    kwargs: dict[str, Any] = {"num_classes": num_classes}
     if name.startswith("vit_"):
         kwargs["image_size"] = size
     try:
         model = torchvision.models.get_model(name, weights=None, **kwargs)
     except (TypeError, ValueError) as exc:
         raise UserError(f"model.name={name}: cannot build it for this data: {exc}") from None
-    stem = cfg.model.stem
     small = stem == Stem.small or (stem == Stem.auto and size < 112 and _has_resnet_stem(model))
     if small:
         if not _has_resnet_stem(model):
             raise UserError(f"model.stem=small: {name} has no ResNet stem (conv1 + maxpool) to replace")
         # ImageNet's stem (7x7 stride-2 convolution, then max-pool) shrinks images 4x before the
         # first block, 32 pixels to 8; a 3x3 stride-1 convolution with the max-pool shrinks them 2x.
-        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = small_stem(model.conv1.out_channels)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     return model
 
 
-def seeded_model(cfg: DictConfig, dist: Dist) -> nn.Module:
+def small_stem(channels: int) -> nn.Conv2d:
+    """The small stem's first convolution (what an exported config.json's ``stem: small`` means)."""
+    return nn.Conv2d(3, channels, kernel_size=3, stride=1, padding=1, bias=False)
+
+
+def is_small_stem(model: nn.Module) -> bool:
+    conv = getattr(model, "conv1", None)
+    return isinstance(conv, nn.Conv2d) and conv.kernel_size == (3, 3) and _has_resnet_stem(model)
+
+
+def timm_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """timm's ``create_model``; UserError in one line without the [timm] extra or for an unknown name."""
+    try:
+        import timm
+    except ImportError:
+        extra = "pip install 'wds-distributed[timm]'"
+        raise UserError(f"model.name=timm/{name}: timm is not installed ({extra})") from None
+    if not timm.is_model(name):
+        close = ", ".join(difflib.get_close_matches(name, timm.list_models(), n=3))
+        raise UserError(f"model.name=timm/{name}: not a timm model" + (f"; did you mean {close}?" if close else ""))
+    try:
+        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes)
+    except Exception as exc:  # noqa: BLE001 (timm's fetch of pretrained weights: offline, no such file, ...)
+        raise UserError(f"model.name=timm/{name}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+def pretrained(cfg: DictConfig, given: set[str]) -> weights.Pretrained | None:
+    """model.weights, found; its mean, std and image size set in ``cfg`` where the command line
+    (``given``) did not set them."""
+    if not cfg.model.weights:
+        return None
+    found = weights.find(str(cfg.model.weights), cfg.model.name)
+    for key, value in (("mean", found.mean), ("std", found.std), ("image_size", found.image_size)):
+        if value is not None and f"data.{key}" not in given and cfg.data[key] != value:
+            cfg.data[key] = value
+            found.notes.append(f"data.{key}={value}: model.weights'")
+    return found
+
+
+def seeded_model(cfg: DictConfig, dist: Dist, start: weights.Pretrained | None = None) -> tuple[nn.Module, list[str]]:
     """The model on this rank's device, the same initial weights on every rank (DDP also
-    broadcasts rank 0's); then per-rank seeds, so augmentations and loader workers differ."""
+    broadcasts rank 0's), loaded from ``start`` if given; then per-rank seeds, so augmentations
+    and loader workers differ. Also the lines to say about the weights."""
     torch.manual_seed(cfg.seed)
-    model = distributed.on_all_ranks(lambda: build_model(cfg))
+    said: list[str] = []
+
+    def built() -> nn.Module:
+        if start is not None and start.path is None and start.torchvision is None:  # timm's own
+            return timm_model(cfg.model.name.removeprefix(TIMM), cfg.data.num_classes, pretrained=True)
+        model = build_model(cfg)
+        if start is not None:
+            said.extend(weights.load_into(model, weights.state_dict(start), start.spec))
+        return model
+
+    model = distributed.on_all_ranks(built)
     cuda = dist.device.type == "cuda"
     model = model.to(dist.device)
     if cuda and cfg.trainer.channels_last:
@@ -67,20 +126,36 @@ def seeded_model(cfg: DictConfig, dist: Dist) -> nn.Module:
     if cuda:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return model
+    if start is not None:
+        said.insert(
+            0,
+            f"model.weights={start.spec}: a pretrained start" + (f" ({'; '.join(start.notes)})" if start.notes else ""),
+        )
+    return model, said
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer; with model.freeze_steps, the head's parameters in a group of their own and
+    the rest in one that ``frozen_until`` keeps at learning rate 0 until then (train_step). A
+    frozen group, not requires_grad: DDP fixes which parameters it reduces when it wraps the model."""
     optim = cfg.optim
+    params: Any = model.parameters()
+    if cfg.model.freeze_steps > 0:
+        head = weights.head_name(model) + "."
+        named = list(model.named_parameters())
+        params = [
+            {"params": [p for n, p in named if not n.startswith(head)], "frozen_until": cfg.model.freeze_steps},
+            {"params": [p for n, p in named if n.startswith(head)]},
+        ]
     if optim.name == OptimName.sgd:
         return torch.optim.SGD(
-            model.parameters(),
+            params,
             lr=lr,
             momentum=optim.momentum,
             nesterov=optim.nesterov and optim.momentum > 0,
             weight_decay=optim.weight_decay,
         )
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
 
 
 def lr_at(step: int, base_lr: float, steps: int, warmup_frac: float) -> float:

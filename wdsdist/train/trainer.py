@@ -23,7 +23,7 @@ from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, Source, expand
 from wdsdist.errors import UserError
 from wdsdist.tools.outfolder import make_output_folder
 from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_is_current
-from wdsdist.train import distributed, faults
+from wdsdist.train import classes, distributed, export, faults
 from wdsdist.train.checkpoint import (
     Checkpointer,
     Generation,
@@ -36,11 +36,11 @@ from wdsdist.train.checkpoint import (
     same_job,
     write_text,
 )
-from wdsdist.train.config import LoaderMode, check
+from wdsdist.train.config import LoaderMode, check, given_keys
 from wdsdist.train.distributed import Dist, on_all_ranks
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed
-from wdsdist.train.model import build_optimizer, seeded_model, wrap_ddp
+from wdsdist.train.model import build_optimizer, pretrained, seeded_model, wrap_ddp
 from wdsdist.train.pins import pin_data, pinned
 from wdsdist.train.report import Reporter, Window, done_line
 from wdsdist.train.run import Run, hparams_of, report_epoch, report_start, summarize
@@ -219,7 +219,12 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     started = time.perf_counter()
     run_dir, stale, generation = prepare_run_dir(cfg, dist)
     watchdog.prefix = f"wdsdist/generation_{generation.number}"  # fresh keys for each start
-    model = seeded_model(cfg, dist)
+    start_from = on_all_ranks(lambda: pretrained(cfg, given_keys()))  # its mean, std and size first
+    names = on_all_ranks(lambda: classes.resolve(cfg, loader_config(cfg, dist, cfg.seed)))
+    if dist.is_main:
+        classes.write(run_dir, names)
+        write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))  # with them
+    model, weight_lines = seeded_model(cfg, dist, start_from)
     global_batch = cfg.trainer.batch_size * dist.world
     base_lr = cfg.optim.lr * global_batch / 256
     opt = build_optimizer(cfg, model, base_lr)
@@ -238,6 +243,8 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     ddp_model = wrap_ddp(model, dist)
     on_device = OnDevice(cfg, dist)
     report = Reporter(dist, run_dir, steps, start)
+    for line in weight_lines if resume_path is None else ():  # a resume has its weights from the checkpoint
+        report.line(line)
     run = Run(
         cfg=cfg,
         dist=dist,
@@ -280,7 +287,7 @@ def train_step(run: Run, batch: dict, step: int) -> tuple[torch.Tensor, torch.Te
     loss.backward()
     lr = run.lr_at(step)
     for group in run.opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr  # model.freeze_steps
     run.opt.step()
     return loss, logits, labels
 
@@ -365,6 +372,7 @@ def finish(run: Run, step: int) -> dict:
         metrics = {"hparam/val_top1": summary["val_top1"] or 0.0, "hparam/val_loss": summary["val_loss"] or 0.0}
         run.report.hparams(hparams_of(run), metrics)
         write_text(os.path.join(run.run_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
+        export.export(run.run_dir, run.cfg, run.model, step)  # model.safetensors + config.json
     run.report.line(done_line(summary))
     run.report.close()
     return summary
