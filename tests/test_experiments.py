@@ -47,3 +47,11 @@ def test_smoke_composes_and_runs(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == cfg.trainer.steps and summary["val_samples"] == cfg.data.synthetic.val_samples
     assert (tmp_path / "data" / "smoke" / "smoke-train.index.json").exists()
+
+
+def test_finetune_is_a_pretrained_start_at_a_tenth_of_the_rate_with_the_head_first():
+    shards = ["data=shards", "data.train_shards=/d/train.index.json", "data.val_shards=null"]
+    cfg = compose_config(["+experiment=finetune", *shards])
+    config.check(cfg)
+    assert (cfg.model.weights, cfg.model.freeze_steps, cfg.optim.lr, cfg.optim.warmup) == ("DEFAULT", 50, 0.01, 0.1)
+    assert compose_config(["+experiment=finetune", *shards, "model.weights=/runs/a"]).model.weights == "/runs/a"
