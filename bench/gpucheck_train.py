@@ -231,7 +231,7 @@ def pure_compute(overrides: list[str], device: str, steps: int) -> float:
     cfg = composed(overrides)
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     dist = Dist(rank=0, world=1, local_rank=0, device=dev)
-    model = seeded_model(cfg, dist)
+    model, _ = seeded_model(cfg, dist)
     lr = cfg.optim.lr * cfg.trainer.batch_size / 256
     run = SimpleNamespace(cfg=cfg, ddp_model=model, opt=build_optimizer(cfg, model, lr), on_device=OnDevice(cfg, dist))
     run.lr_at = lambda step: lr

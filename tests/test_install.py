@@ -119,11 +119,14 @@ def requirement_names(requires: list[str], extra: str | None = None) -> set[str]
 
 # What pip install wds-distributed leaves out, each in the extra that brings it.
 EXTRAS = {
-    "train": {"hydra-core", "omegaconf", "tensorboard", "tqdm"},
+    "train": {"hydra-core", "omegaconf", "tensorboard", "tqdm", "safetensors"},
     "s3": {"boto3", "botocore", "urllib3"},
     "hf": {"huggingface-hub"},
     "plot": {"matplotlib"},
     "lightning": {"pytorch-lightning"},
+    "onnx": {"onnx", "onnxruntime"},
+    "timm": {"timm"},
+    "gpu": {"nvidia-nvimgcodec-cu13", "nvidia-nvjpeg"},
 }
 
 
@@ -133,7 +136,7 @@ def test_the_install_is_the_loader_and_its_tools_and_each_extra_brings_its_part(
     assert runtime == {"torch", "torchvision", "webdataset", "braceexpand", "pillow", "numpy", "tqdm"}
     for extra, names in EXTRAS.items():
         assert requirement_names(probe["requires"], extra) == names, extra
-    assert requirement_names(probe["requires"], "all") == {"wds-distributed"}  # [train,s3,hf,plot,lightning]
+    assert requirement_names(probe["requires"], "all") == {"wds-distributed"}  # every extra but [gpu]
     assert TEST_TOOLS <= requirement_names(probe["requires"], "test") and not runtime & TEST_TOOLS
 
 

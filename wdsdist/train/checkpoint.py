@@ -226,7 +226,7 @@ def save_checkpoint(
         "loader": loaders,
         "pins": dict(pins or {}),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        "classes": list(cfg.data.classes or ()),  # label i's name (also in the config)
+        "classes": list(OmegaConf.select(cfg, "data.classes") or ()),  # label i's name (also in the config)
     }
     name = f"ckpt-{step:07d}.pt"
     check_generation(run_dir, generation)
