@@ -23,13 +23,15 @@ COMMON = ["trainer.device=cpu", "trainer.workers=1", "trainer.batch_size=32", "t
 COMMON += ["trainer.ckpt_every=0", "data.image_size=32", "data.crop_scale=[0.6,1.0]"]
 
 
-def digits_tree(root: Path, digits: list[int], train: int, val: int) -> None:
-    """root/train/NAME/*.png and root/val/NAME/*.png: the 8x8 digits upscaled to 40 pixels."""
+def digits_tree(root: Path, digits: list[int], train: int, val: int, first: int = 0, ink: bool = False) -> None:
+    """root/train/NAME/*.png and root/val/NAME/*.png: the 8x8 digits upscaled to 40 pixels, from
+    each digit's ``first`` image on; ``ink``: dark digits on white, not white on black."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
     for d in digits:
-        images = data.images[data.target == d]
+        images = data.images[data.target == d][first:]
+        images = 16 - images if ink else images
         for split, chunk in (("train", images[:train]), ("val", images[train : train + val])):
             folder = root / split / NAMES[d]
             folder.mkdir(parents=True, exist_ok=True)
@@ -65,12 +67,12 @@ def train(tmp: Path, name: str, train_index: str, val_index: str, *extra: str) -
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    """Four digits, 100 training and 40 held-out images each, trained 80 steps from scratch."""
+    """Four digits, 80 training and 30 held-out images each, trained 60 steps from scratch."""
     tmp = tmp_path_factory.mktemp("digits")
     root = tmp / "digits"
-    digits_tree(root, [0, 1, 2, 3], train=100, val=40)
+    digits_tree(root, [0, 1, 2, 3], train=80, val=30)
     train_index, val_index = shards(root, tmp)
-    run_dir, summary, said = train(tmp, "run", train_index, val_index, "trainer.steps=80", "trainer.eval_every=0")
+    run_dir, summary, said = train(tmp, "run", train_index, val_index, "trainer.steps=60", "trainer.eval_every=0")
     return {"tmp": tmp, "root": root, "run": run_dir, "summary": summary, "said": said, "val": val_index}
 
 
@@ -93,10 +95,10 @@ def test_predict_on_the_held_out_folder_gives_the_runs_own_top1(digits):
     proc = run_script("predict.py", str(digits["run"]), str(digits["root"] / "val"), "--format", "csv", "--top-k", "2")
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(io.StringIO(proc.stdout)))
-    assert len(rows) == 160 and set(rows[0]) == {"image", "class1", "p1", "class2", "p2"}
+    assert len(rows) == 120 and set(rows[0]) == {"image", "class1", "p1", "class2", "p2"}
     right = sum(Path(r["image"]).parent.name == r["class1"] for r in rows)
     assert right / len(rows) == pytest.approx(digits["summary"]["val_top1"], abs=1e-9)
-    assert "predict: 160 images classified" in proc.stderr
+    assert "predict: 120 images classified" in proc.stderr
 
 
 def test_predict_names_and_skips_an_unreadable_image_and_writes_json_lines(digits, tmp_path):
@@ -135,23 +137,23 @@ def test_onnx_runtime_gives_torchs_logits(digits):
 
 
 def test_fine_tuning_from_the_digits_beats_training_from_scratch_on_a_small_set(digits):
-    """The five other digits, 4 training images each: 20 steps from the 4-digit run's weights
-    (its head replaced) against 20 from scratch, the same settings, over two seeds (one seed's
-    scratch run swings by 20 points). The margins measured: bench/results/2026-11-28-finetune.md."""
+    """A small set of another kind: digits 0-4 in dark ink on white, 4 training images each (the
+    source run saw 0-3 white on black). 20 steps from the source run's weights (its head of 4
+    replaced by one of 5) against 20 from scratch, seed by seed. Measured over four seeds in
+    bench/results/2026-11-28-finetune.md: ahead on each, by 4.8 points on average."""
     tmp = digits["tmp"]
-    small = tmp / "small"
-    digits_tree(small, [5, 6, 7, 8, 9], train=4, val=40)
+    small = tmp / "ink"
+    digits_tree(small, [0, 1, 2, 3, 4], train=4, val=30, first=110, ink=True)
     train_index, val_index = shards(small, tmp)
     steps = ["trainer.steps=20", "trainer.eval_every=0", "trainer.batch_size=16"]
-    scratch, tuned = [], []
+    gains = []
     for seed in (0, 1):
-        scratch.append(train(tmp, f"scratch{seed}", train_index, val_index, *steps, f"seed={seed}")[1]["val_top1"])
-        _, summary, said = train(
-            tmp, f"tuned{seed}", train_index, val_index, *steps, f"seed={seed}", f"model.weights={digits['run']}"
-        )
+        scratch = train(tmp, f"scratch{seed}", train_index, val_index, *steps, f"seed={seed}")[1]["val_top1"]
+        weights = f"model.weights={digits['run']}"
+        _, tuned, said = train(tmp, f"tuned{seed}", train_index, val_index, *steps, f"seed={seed}", weights)
         assert "its head (fc, 4 outputs) replaced by a new one of 5" in said
-        tuned.append(summary["val_top1"])
-    assert sum(tuned) / 2 > sum(scratch) / 2 + 0.05, (tuned, scratch)
+        gains.append(tuned["val_top1"] - scratch)
+    assert min(gains) > 0 and sum(gains) / len(gains) > 0.02, gains
 
 
 def test_a_timm_model_trains_a_step(digits, tmp_path):
