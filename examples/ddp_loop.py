@@ -130,4 +130,7 @@ while loader.epoch < args.epochs and step != args.stop_after:
     if main:
         mean_loss = f"loss {sum(losses) / len(losses):.3f}" if losses else "no batch"
         print(f"epoch {epoch}: step {step}, {mean_loss}{accuracy}", flush=True)
+# DDP holds the process group. Left to the interpreter's exit, gloo's threads are joined while it
+# tears down, which can abort the process ("terminate called without an active exception").
+del ddp
 dist.destroy_process_group()
