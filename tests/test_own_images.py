@@ -245,3 +245,35 @@ def test_freeze_steps_train_only_the_new_head(digits, tmp_path):
     before, after = load_file(digits["run"] / "model.safetensors"), load_file(run / "model.safetensors")
     moved = sorted(k for k, v in after.items() if k.endswith("weight") and not torch.equal(v, before[k]))
     assert moved == ["fc.weight"]
+
+
+def test_a_model_on_the_hub_starts_a_run_at_one_commit(digits, tmp_path):
+    """model.weights=hf://ORG/NAME: the test Hub serves the digits run's model.safetensors and
+    config.json as a model repo; the run reads them at the commit main names, and records it."""
+    from tests.helpers.hub import Hub
+
+    files = {name: (digits["run"] / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+    with Hub() as hub:
+        commit = hub.add_repo("digits-org/resnet18-digits", files)
+        train_index = str(digits["tmp"] / "shards" / "digits-train.index.json")
+        steps = [*COMMON, "trainer.steps=2", "trainer.eval_every=0", "model.weights=hf://digits-org/resnet18-digits"]
+        run = tmp_path / "hub-run"
+        proc = run_script(
+            "train.py", "data=shards", f"data.train_shards={train_index}", f"data.val_shards={digits['val']}",
+            f"run_dir={run}", *steps, env={**env, "HF_ENDPOINT": hub.endpoint},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (
+            f"model.weights=hf://digits-org/resnet18-digits: a pretrained start (read at hf://digits-org/resnet18-digits@{commit})"
+            in proc.stdout + proc.stderr
+        )
+        ckpt = torch.load(run / "latest.pt", map_location="cpu", weights_only=False)
+        assert ckpt["config"]["model"]["weights"] == f"hf://digits-org/resnet18-digits@{commit}"
+        missing = run_script(
+            "train.py", "data=shards", f"data.train_shards={train_index}", "data.val_shards=null",
+            f"run_dir={tmp_path}/r2", *COMMON, "trainer.steps=1", "model.weights=hf://digits-org/no-such-model",
+            env={**env, "HF_ENDPOINT": hub.endpoint},
+        )  # fmt: skip
+        assert missing.returncode == 2
+        assert one_error_line(missing).startswith("error: model.weights=hf://digits-org/no-such-model: ")

@@ -30,9 +30,9 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_MIN_SIZE = 1024
 _NAME = r"[\w.-]+"
-_INFO = re.compile(rf"^/api/datasets/({_NAME}/{_NAME})(?:/revision/([^/]+))?/?$")
+_INFO = re.compile(rf"^/api/(?:datasets|models)/({_NAME}/{_NAME})(?:/revision/([^/]+))?/?$")
 _TREE = re.compile(rf"^/api/datasets/({_NAME}/{_NAME})/tree/([^/]+)(?:/(.*))?$")
-_RESOLVE = re.compile(rf"^/datasets/({_NAME}/{_NAME})/resolve/([^/]+)/(.+)$")
+_RESOLVE = re.compile(rf"^/(?:datasets/)?({_NAME}/{_NAME})/resolve/([^/]+)/(.+)$")  # a data set's, or a model's
 _BLOB = re.compile(r"^/blobs/([0-9a-f]{64})$")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _S3_ERROR = '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>{}</Message></Error>'
@@ -170,7 +170,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class _HubHandler(_Handler):
-    """huggingface.co's dataset routes: /api/datasets/… (info, tree) and /datasets/…/resolve/…."""
+    """huggingface.co's dataset routes: /api/datasets/… (info, tree) and /datasets/…/resolve/…;
+    and a model's info and files (/api/models/…, /ORG/NAME/resolve/…), from the same repos."""
 
     def _dispatch(self, head: bool) -> None:
         hub, url = self.server.hub, urlsplit(self.path)

@@ -93,6 +93,9 @@ def pretrained(cfg: DictConfig, given: set[str]) -> weights.Pretrained | None:
     if not cfg.model.weights:
         return None
     found = weights.find(str(cfg.model.weights), cfg.model.name)
+    if found.pinned is not None:  # a Hub model: the run (its config, its checkpoints) names the commit
+        cfg.model.weights = found.pinned
+        found.notes.append(f"read at {found.pinned}")
     for key, value in (("mean", found.mean), ("std", found.std), ("image_size", found.image_size)):
         if value is not None and f"data.{key}" not in given and cfg.data[key] != value:
             cfg.data[key] = value

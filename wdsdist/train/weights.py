@@ -6,6 +6,8 @@ bring, and how they go into a model whose class count may differ.
   file and where to get it). For a timm model, timm's own pretrained weights.
 - a local ``.safetensors`` or ``.pt`` state dict; a run's checkpoint or a run directory's exported
   ``model.safetensors``, whose ``config.json`` beside it brings its mean, std and image size.
+- ``hf://ORG/NAME[@REVISION]``: a model repo on the Hub (model.safetensors + config.json), read at
+  one commit, which the run records in place of the revision.
 
 The classifier head is replaced, and one line says so, where the class count differs; any other
 key that does not fit stops the run in one line naming it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +41,18 @@ class Pretrained:
     mean: list[float] | None = None
     std: list[float] | None = None
     image_size: int | None = None
+    pinned: str | None = None  # a Hub model: the spec at the commit read
     notes: list[str] = field(default_factory=list)
 
 
+HUB = re.compile(r"hf://([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([^/@]+))?")
+
+
 def find(spec: str, model_name: str) -> Pretrained:
-    """What ``model.weights=spec`` names, checked without reading the weights."""
+    """What ``model.weights=spec`` names, checked without reading the weights (a Hub model's files
+    are fetched into the Hub's cache here, at the commit its revision names now)."""
+    if spec.startswith("hf://"):
+        return _hub(spec)
     if os.path.exists(spec):
         return _local(spec)
     if spec.endswith((".safetensors", ".pt", ".pth")) or os.sep in spec:
@@ -60,6 +70,32 @@ def find(spec: str, model_name: str) -> Pretrained:
     return Pretrained(spec, torchvision=weights, mean=list(pre.mean), std=list(pre.std), image_size=size)
 
 
+def _hub(spec: str) -> Pretrained:
+    """A model repo on the Hub with model.safetensors and config.json (this trainer's export, or
+    timm's), through huggingface_hub: its token and HF_ENDPOINT, as for data sets. ``pinned`` is
+    the spec at the commit read, which the run records."""
+    match = HUB.fullmatch(spec)
+    if not match:
+        raise UserError(f"model.weights={spec}: a Hub model is hf://ORG/NAME[@REVISION]")
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+    except ImportError:
+        raise UserError(
+            f"model.weights={spec}: huggingface_hub is not installed (pip install 'wds-distributed[hf]')"
+        ) from None
+    repo, rev = match.group(1), match.group(2) or "main"
+    try:
+        commit = HfApi().model_info(repo, revision=rev).sha
+        path = hf_hub_download(repo, "model.safetensors", revision=commit)
+        hf_hub_download(repo, "config.json", revision=commit)
+    except Exception as exc:  # noqa: BLE001 (no such repo or file, a gated repo, offline: one line each)
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"model.weights={spec}: {type(exc).__name__}: {said}") from None
+    found = _local(path)
+    found.spec, found.pinned = spec, f"hf://{repo}@{commit}"
+    return found
+
+
 def _named(model_name: str, name: str) -> Any:
     enum = torchvision.models.get_model_weights(model_name)
     return enum.DEFAULT if name == "DEFAULT" else enum[name]
@@ -72,10 +108,16 @@ def _local(spec: str) -> Pretrained:
         raise UserError(f"model.weights={spec}: no model.safetensors in that folder")
     found = Pretrained(spec, path=path)
     config = os.path.join(folder, "config.json")
-    if os.path.isfile(config):  # a run's export: its preprocessing
+    if os.path.isfile(config):  # a run's export, or timm's pretrained_cfg: its preprocessing
         with open(config, encoding="utf-8") as f:
             meta = json.load(f)
-        found.mean, found.std, found.image_size = meta.get("mean"), meta.get("std"), meta.get("image_size")
+        timm = meta.get("pretrained_cfg") or {}
+        size = meta.get("image_size") or (timm.get("input_size") or [None, None])[1]
+        found.mean, found.std, found.image_size = (
+            meta.get("mean") or timm.get("mean"),
+            meta.get("std") or timm.get("std"),
+            size,
+        )
     return found
 
 
