@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 try:
@@ -31,6 +32,9 @@ def main(cfg: DictConfig) -> None:
     from wdsdist.train.trainer import train
 
     config.run_job(train, cfg)
+    # The run's DDP model holds the process group through reference cycles: freed here, while the
+    # interpreter is whole (examples/ddp_loop.py says what its exit did with them).
+    gc.collect()
 
 
 if __name__ == "__main__":
