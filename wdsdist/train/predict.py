@@ -62,11 +62,12 @@ def load_model(path: str) -> tuple[Classifier, dict[str, Any]]:
 
 def from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only
         cfg = ckpt["config"]
         data, name, weights = cfg["data"], cfg["model"]["name"], ckpt["model"]
     except Exception as exc:  # noqa: BLE001 (not a checkpoint of ours, whatever the reason)
-        raise UserError(f"{path}: not a checkpoint of this trainer ({type(exc).__name__}: {exc})") from None
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise UserError(f"{path}: not a checkpoint of this trainer ({type(exc).__name__}: {first[:200]})") from None
     classes = ckpt.get("classes") or data.get("classes") or [str(i) for i in range(data["num_classes"])]
     conv = weights.get("conv1.weight")
     stem = Stem.small if conv is not None and tuple(conv.shape[2:]) == (3, 3) else Stem.imagenet
