@@ -282,5 +282,5 @@ def test_the_lightning_datamodule_decodes_on_the_gpu_through_the_same_option(tmp
     batches = list(loader)
     assert len(batches) == 4 and all(b["image"].shape == (8, 3, 32, 32) for b in batches)
     assert loader.decode_counts == {"gpu": 32, "cpu": 0, "failed": 0}
-    # Evaluation decodes on the CPU, resized and centre-cropped, from the same config
+    # Evaluation goes through the same decoder (here on CPU tensors), resized and centre-cropped
     assert sum(len(b["label"]) for b in data.val_dataloader()) == 32
