@@ -190,3 +190,65 @@ def test_decode_gpu_evaluates_on_the_cpu_paths_samples_and_labels(tmp_path, monk
         assert torch.equal(a["label"], b["label"]) and torch.equal(a["id"], b["id"])
         assert b["image"].is_contiguous(memory_format=torch.channels_last)
         close(b["image"], a["image"])
+
+
+class _RefusesRegions:
+    """nvImageCodec's decoder as the hardware one behaves under an nvJPEG older than 13.2: every
+    region refused (the call with places given), whole images decoded."""
+
+    def __init__(self, decoder):
+        self.decoder, self.region_calls = decoder, 0
+
+    def decode(self, streams, images=None, **kw):
+        if images is None:  # the whole images of the refused ones, into buffers of its own
+            return self.decoder.decode(streams, **kw)
+        self.region_calls += 1
+        return [None] * len(streams) if self.region_calls == 1 else self.decoder.decode(streams, images=images, **kw)
+
+
+@needs_nvimgcodec
+def test_a_decoder_that_refuses_every_region_goes_on_with_whole_images_and_the_same_pixels():
+    codec = codecs.NvImageCodec(torch.device("cpu"), None)
+    codec.decoder = _RefusesRegions(codec.decoder)
+    tensors = [torch.frombuffer(bytearray(encode(64 + i, 48, i)), dtype=torch.uint8) for i in range(8)]
+    wanted = [(i, 2 * i, 30, 40) for i in range(8)]
+
+    def crops():
+        src, places = codec.decode(tensors, wanted)
+        assert all(p is not None for p in places)
+        return [
+            src[p.start : p.start + (p.height - 1) * p.stride + p.width * 3].as_strided(
+                (3, p.height, p.width), (1, p.stride, 3)
+            )
+            for p in places
+        ]
+
+    first = crops()  # refused, then each whole image decoded and its crop copied out
+    assert not codec.regions and "refused every region" in codec.name
+    for got, data, (top, left, h, w) in zip(crops(), tensors, wanted, strict=True):  # whole images, cut
+        want = decode_jpeg(data, mode=ImageReadMode.RGB)[:, top : top + h, left : left + w]
+        assert torch.equal(got, want)
+        assert torch.equal(first.pop(0), want)
+
+
+def test_the_environment_tunes_nvimagecodec_and_a_wrong_backend_is_one_line():
+    env = {
+        "WDSDIST_NVIMGCODEC_BACKENDS": "HW_GPU_ONLY:0.75, GPU_ONLY",
+        "WDSDIST_NVIMGCODEC_OPTIONS": ":fancy_upsampling=1",
+        "WDSDIST_NVIMGCODEC_REGIONS": "0",
+    }
+    assert codecs.tuning(env) == {
+        "backends": ("HW_GPU_ONLY:0.75", "GPU_ONLY"),
+        "options": ":fancy_upsampling=1",
+        "regions": False,
+    }
+    assert codecs.tuning({}) == {}
+    if not HAVE_NVIMGCODEC:
+        return
+    import nvidia.nvimgcodec as nv
+
+    assert codecs._backend(nv, "v", "HW_GPU_ONLY:0.75").load_hint == pytest.approx(0.75)
+    for spec, said in (("HW:1", "has no backend 'HW'; it has CPU_ONLY"), ("GPU_ONLY:half", "'half' is not a share")):
+        with pytest.raises(UserError, match=said) as caught:
+            codecs._backend(nv, "v", spec)
+        assert "\n" not in str(caught.value)

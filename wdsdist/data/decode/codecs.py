@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from wdsdist import preload
 from wdsdist.data.decode.resize import Place
 from wdsdist.errors import UserError
 
@@ -40,6 +41,12 @@ NVIMGCODEC = "nvidia-nvimgcodec-cu13"
 # nvImageCodec releases whose region decode fails on the GPU (NVIDIA/nvImageCodec#55: a crash on
 # H100 and B200 in 0.9.0): the whole image is decoded there and the crop cut from it.
 REGIONS_BROKEN: tuple[str, ...] = ()
+# On a GPU: the hardware JPEG engines first, the CUDA decoder for what they refuse (KIND[:share]).
+BACKENDS = ("HW_GPU_ONLY", "GPU_ONLY")
+# Chroma upsampled with interpolation, as libjpeg-turbo does (nvImageCodec 0.8's default is off);
+# the CUDA decoder's Huffman decoding on the GPU, where by default it runs on host threads for
+# images of ImageNet's size.
+OPTIONS = ":fancy_upsampling=1 nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"
 
 
 @contextlib.contextmanager
@@ -115,7 +122,14 @@ class NvImageCodec:
     """nvImageCodec's decoder on ``device`` (CUDA; on the CPU its CPU backend, which is how the
     suite runs this path), writing on ``stream``."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None, regions: bool | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+        regions: bool | None = None,
+        backends: Sequence[str] = BACKENDS,
+        options: str = OPTIONS,
+    ):
         # Its warnings go to stderr, one line per image it hands back to us (which we decode
         # another way and count): errors only, unless the user asked for more.
         os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "1")
@@ -126,7 +140,7 @@ class NvImageCodec:
         broken = device.type == "cuda" and self.version.startswith(REGIONS_BROKEN)
         self.regions = regions if regions is not None else not broken
         if device.type == "cuda":
-            backends = [nv.Backend(nv.BackendKind.HW_GPU_ONLY, load_hint=1.0), nv.Backend(nv.BackendKind.GPU_ONLY)]
+            backends = [_backend(nv, self.version, b) for b in backends]
             device_id = device.index if device.index is not None else torch.cuda.current_device()
         else:
             backends, device_id = (
@@ -134,7 +148,7 @@ class NvImageCodec:
                 getattr(nv, "NVIMGCODEC_DEVICE_CPU_ONLY", -99999),
             )
         with _stderr_to_log():  # it loads its extensions here, and says on stderr which libraries it lacks
-            self.decoder = nv.Decoder(device_id=device_id, backends=backends, options=":fancy_upsampling=1")
+            self.decoder = nv.Decoder(device_id=device_id, backends=backends, options=options)
         self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False)
         self.arena = Arena(device)
         self.name = f"nvImageCodec {self.version}" + (
@@ -170,8 +184,25 @@ class NvImageCodec:
             if image is not None:
                 out[i] = places[i] if wanted[i] is None else _within(places[i], wanted[i])
         if self.regions:
+            self._all_refused(todo, regions, out)
             self._whole_for_refused(parents, regions, places, out)
         return self.arena.buffer, out
+
+    def _all_refused(self, todo: list[int], regions, out) -> None:
+        """Where every region of a batch was refused, whole images from then on (one call, the
+        crops cut by the resize) rather than two calls a batch."""
+        asked = [i for i in todo if regions[i] is not None]
+        if len(asked) < 8 or any(out[i] is not None for i in asked):
+            return
+        self.regions = False
+        self.name += " (whole images: it refused every region)"
+        log.info(
+            "nvImageCodec %s refused all %d regions of a batch (its hardware decoder does, with chroma "
+            "interpolation, under nvJPEG older than 13.2: is torchvision's copy the one loaded?); "
+            "whole images from here on, the crops cut from them",
+            self.version,
+            len(asked),
+        )
 
     def _whole_for_refused(self, parents, regions, places, out) -> None:
         """The regions nvImageCodec refused (its hardware decoder refuses a region with chroma
@@ -200,6 +231,19 @@ class NvImageCodec:
         if self.device.type == "cuda":
             return torch.from_dlpack(image)
         return torch.from_numpy(np.asarray(image.cpu()))
+
+
+def _backend(nv, version: str, spec: str):
+    """``KIND`` or ``KIND:LOAD`` (the share of the batch it is offered, 0-1) as nvImageCodec's Backend."""
+    kind, _, load = spec.partition(":")
+    if not hasattr(nv.BackendKind, kind):
+        kinds = ", ".join(k for k in dir(nv.BackendKind) if k.isupper())
+        raise UserError(f"nvImageCodec {version} has no backend {kind!r}; it has {kinds}")
+    try:
+        hint = float(load) if load else 1.0
+    except ValueError:
+        raise UserError(f"nvImageCodec backend {spec!r}: {load!r} is not a share between 0 and 1") from None
+    return nv.Backend(getattr(nv.BackendKind, kind), load_hint=hint)
 
 
 def _within(p: Place, region: Region) -> Place:
@@ -261,7 +305,8 @@ def planned(engine: str = "auto") -> str:
     if engine == "torchvision" or version is None:
         why = "" if engine == "torchvision" else f" ({NVIMGCODEC}, the [gpu] extra, is not installed)"
         return f"torchvision's nvJPEG{why}: chroma upsampled without interpolation, pixels differ from the CPU path's"
-    return f"nvImageCodec {version}: crops decoded as regions, chroma upsampled as libjpeg-turbo does"
+    nvjpeg = "the [gpu] extra's nvJPEG" if preload.loaded else "the nvJPEG loaded first (torchvision's, if any)"
+    return f"nvImageCodec {version} with {nvjpeg}: crops decoded as regions, chroma upsampled as libjpeg-turbo does"
 
 
 def choose(device: torch.device, stream, engine: str = "auto"):
@@ -275,4 +320,20 @@ def choose(device: torch.device, stream, engine: str = "auto"):
                 f"loader.gpu_decoder=nvimgcodec: {NVIMGCODEC} is not installed (pip install 'wds-distributed[gpu]')"
             )
         return TorchvisionCodec(device)
-    return NvImageCodec(device, stream)
+    return NvImageCodec(device, stream, **tuning())
+
+
+def tuning(env: dict | None = None) -> dict:
+    """nvImageCodec's settings as the environment overrides them (gpu-check's probe passes the
+    fastest it measured this way): WDSDIST_NVIMGCODEC_BACKENDS (comma-separated BackendKind
+    names, tried in order), WDSDIST_NVIMGCODEC_OPTIONS (its decoder options, as nvImageCodec
+    reads them), WDSDIST_NVIMGCODEC_REGIONS (0: decode whole images and cut the crops)."""
+    env = os.environ if env is None else env
+    out: dict = {}
+    if env.get("WDSDIST_NVIMGCODEC_BACKENDS"):
+        out["backends"] = tuple(k.strip() for k in env["WDSDIST_NVIMGCODEC_BACKENDS"].split(",") if k.strip())
+    if "WDSDIST_NVIMGCODEC_OPTIONS" in env:
+        out["options"] = env["WDSDIST_NVIMGCODEC_OPTIONS"]
+    if env.get("WDSDIST_NVIMGCODEC_REGIONS", "") in ("0", "1"):
+        out["regions"] = env["WDSDIST_NVIMGCODEC_REGIONS"] == "1"
+    return out
