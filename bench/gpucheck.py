@@ -27,7 +27,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +69,7 @@ class Sizes:
     loader_most_s: float  # (d): or until this has passed
     compute_steps: int
     budget_s: float  # parts not begun by then are skipped; runs are cut at it
+    cpu_rows: bool = True  # (c), (d): the CPU decode rows beside the GPU's
 
 
 GPU = Sizes(
@@ -267,7 +268,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only", nargs="+", choices=[k for k, _, _ in PARTS], help="these parts only (data is written first)"
     )
+    p.add_argument(
+        "--decoders",
+        nargs="+",
+        choices=["cpu", "torchvision", "nvimgcodec"],
+        help="(c), (d), (e): these decoders' rows only (default: all three)",
+    )
+    p.add_argument("--gpu-workers", nargs="+", type=int, help="(c), (d): trainer.workers for GPU decode (default: 2)")
     return p.parse_args(argv)
+
+
+def sized(args: argparse.Namespace) -> Sizes:
+    """The sizes for this machine, less the rows --decoders and --gpu-workers leave out."""
+    sizes = CPU if args.cpu else GPU
+    if args.decoders:
+        gpu = tuple(d for d in args.decoders if d != "cpu")
+        sizes = replace(sizes, cpu_rows="cpu" in args.decoders, gpu_decoders=gpu)
+    if args.gpu_workers:
+        sizes = replace(sizes, gpu_workers=tuple(args.gpu_workers))
+    return sizes
 
 
 def report_folder(args: argparse.Namespace) -> Path:
@@ -277,7 +296,7 @@ def report_folder(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sizes = CPU if args.cpu else GPU
+    sizes = sized(args)
     if not args.cpu:
         import torch
 

@@ -150,8 +150,8 @@ def loader_alone(check: Any, part: dict) -> None:
     sizes, cuda = check.sizes, not check.cpu
     index = index_of(check, "photos")
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
-    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers]
-    runs += [(f"gpu/{d}", 2) for d in sizes.gpu_decoders]
+    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers if sizes.cpu_rows]
+    runs += [(f"gpu/{d}", w) for w in sizes.gpu_workers for d in sizes.gpu_decoders]
     for decode, workers in runs:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)

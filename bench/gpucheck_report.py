@@ -117,7 +117,24 @@ def probe_table(part: dict) -> list[str]:
             rows[-1] += [num(m.get("max")), num(m.get("mean"), 3), said[:200]]
     lines = [f"{part['verdict']}.\n"] if "verdict" in part else []
     header = ["release", "decode", "works", "refused", "p99.9 vs libjpeg-turbo", "max", "mean", "note"]
-    return lines + table(header, rows)
+    return lines + table(header, rows) + timing_table(part)
+
+
+def timing_table(part: dict) -> list[str]:
+    """The chosen release's settings on one batch of ImageNet-size crops (gpucheck_decoder.settings)."""
+    rows = []
+    for r in part.get("timing", []):
+        refused = f"{r['first_refused']} / {r['refused']}" if "refused" in r else "-"
+        per_s = num(256_000 / r["wall_ms"]) if r.get("wall_ms") else "-"
+        loaded = {"timing": "torchvision's", "timing-own-nvjpeg": "the kit's"}.get(r.get("mode", "-"), "-")
+        rows.append([loaded, r["setting"], refused, num(r.get("host_ms"), 1), num(r.get("wall_ms"), 1)])
+        rows[-1] += [per_s, num(r.get("p99_9"), 1), num(r.get("max")), (r.get("error") or "")[:300]]
+    if not rows:
+        return []
+    header = ["nvJPEG", "setting", "refused (first / left)", "host ms", "until done ms", "images/s", "p99.9", "max"]
+    header += ["note"]
+    intro = "\nOne batch of 256 ImageNet-size photos, RandomResizedCrop's regions, each setting (median of 8):\n"
+    return [intro] + table(header, rows)
 
 
 def accuracy_table(part: dict) -> list[str]:

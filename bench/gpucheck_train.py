@@ -334,7 +334,7 @@ def imagenet_size(check: Any, part: dict) -> None:
         common += [f"trainer.log_every={sizes.log_every}", *device]
         pure = pure_compute(common, sizes.device, sizes.compute_steps)
         check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
-        configs = [("cpu", sizes.cpu_workers)]
+        configs = [("cpu", sizes.cpu_workers)] if sizes.cpu_rows else []
         configs += [(f"gpu/{d}", str(w)) for w in sizes.gpu_workers for d in sizes.gpu_decoders]
         for decode, workers in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
