@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from wdsdist import preload
 from wdsdist.data.decode.resize import Place
 from wdsdist.errors import UserError
 
@@ -305,8 +304,18 @@ def planned(engine: str = "auto") -> str:
     if engine == "torchvision" or version is None:
         why = "" if engine == "torchvision" else f" ({NVIMGCODEC}, the [gpu] extra, is not installed)"
         return f"torchvision's nvJPEG{why}: chroma upsampled without interpolation, pixels differ from the CPU path's"
-    nvjpeg = "the [gpu] extra's nvJPEG" if preload.loaded else "the nvJPEG loaded first (torchvision's, if any)"
+    nvjpeg = "the [gpu] extra's nvJPEG" if extra_nvjpeg_mapped() else "the nvJPEG loaded first (torchvision's, if any)"
     return f"nvImageCodec {version} with {nvjpeg}: crops decoded as regions, chroma upsampled as libjpeg-turbo does"
+
+
+def extra_nvjpeg_mapped() -> bool:
+    """Whether the nvidia-nvjpeg wheel's library is mapped in this process (wdsdist/preload.py
+    maps it when wdsdist is imported before torchvision)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith("nvidia/cu13/lib/libnvjpeg.so.13") for line in maps)
+    except OSError:
+        return False
 
 
 def choose(device: torch.device, stream, engine: str = "auto"):
