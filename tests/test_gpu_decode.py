@@ -8,6 +8,7 @@ import io
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,7 +227,8 @@ def test_options_decode_gpu_refuses_what_it_cannot_do():
         LoaderConfig(batch_size=4, decode="gpu", gpu_decoder="nvjpeg")
 
 
-def test_the_decode_thread_keeps_order_raises_in_order_and_stops_with_its_caller():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_decode_threads_keep_order_raise_in_order_and_stop_with_their_caller(threads):
     pulled = []
 
     def source(n, fail_at=None):
@@ -236,22 +238,52 @@ def test_the_decode_thread_keeps_order_raises_in_order_and_stops_with_its_caller
             pulled.append(i)
             yield {"i": i}
 
-    def decode(batch):
+    def decode(batch):  # the later batches of a round finish first: the order is the threads' to keep
+        time.sleep(0.002 * ((-batch["i"]) % 4))
+        if batch["i"] == 13:
+            raise RuntimeError("decoder failed at 13")
         return batch | {"decoded": True}
 
-    assert [b["i"] for b in decoded_ahead(source(6), decode, lambda: None)] == list(range(6))
+    def ahead(batches, setup=lambda: None):
+        return decoded_ahead(batches, [(decode, setup)] * threads)
+
+    assert [b["i"] for b in ahead(source(12))] == list(range(12))
     got = []
     with pytest.raises(DataError, match="worker failed at 3"):
-        for batch in decoded_ahead(source(6, fail_at=3), decode, lambda: None):
+        for batch in ahead(source(12, fail_at=3)):
             got.append(batch["i"])
     assert got == [0, 1, 2]
+    got.clear()
+    with pytest.raises(RuntimeError, match="decoder failed at 13"):  # in its place: every batch before it
+        for batch in ahead(source(20)):
+            got.append(batch["i"])
+    assert got == list(range(13))
     pulled.clear()
-    batches = decoded_ahead(source(100), decode, lambda: None)
+    batches = ahead(source(100))
     assert next(batches)["decoded"]
-    batches.close()  # the caller stops: the thread ends, at most a batch or two ahead
-    assert len(pulled) <= 3
+    batches.close()  # the caller stops: the threads end, each at most a batch ahead and one in hand
+    assert len(pulled) <= 1 + 2 * threads
     with pytest.raises(RuntimeError, match="in setup"):
-        next(decoded_ahead(source(3), decode, lambda: (_ for _ in ()).throw(RuntimeError("in setup"))))
+        next(ahead(source(3), lambda: (_ for _ in ()).throw(RuntimeError("in setup"))))
+
+
+def test_three_decode_threads_give_the_cpu_paths_batches_and_add_up_their_counts(tmp_path, on_cpu):
+    index = mixed_shards(tmp_path / "s")
+
+    def epoch(**kw) -> tuple[list[dict], Loader]:
+        cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, mode="epoch", **kw)
+        loader = Loader(index, cfg, rank=0, world=1)
+        torch.manual_seed(0)
+        return list(loader), loader
+
+    cpu, _ = epoch(decode="cpu")
+    gpu_, loader = epoch(decode="gpu", gpu_decode_threads=3)
+    assert_same_batches(cpu, gpu_)
+    counts = loader.decode_counts
+    assert counts["gpu"] + counts["cpu"] == sum(len(b["label"]) for b in gpu_) and counts["gpu"] > 0
+    assert "3 decode threads" in loader.decode_host["decoder"]
+    with pytest.raises(UserError, match=r"^gpu_decode_threads=0: 1 or more"):
+        LoaderConfig(batch_size=4, decode="gpu", gpu_decode_threads=0)
 
 
 def test_epochs_cut_to_nbatches_read_on_the_gpu_path_as_on_the_cpu_path(tmp_path, on_cpu):

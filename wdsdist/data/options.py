@@ -155,6 +155,11 @@ class StreamOptions:
     """decode=gpu's JPEG decoder: ``nvimgcodec`` (the ``[gpu]`` extra: crops decoded as regions,
     chroma upsampled as libjpeg-turbo does), ``torchvision`` (its nvJPEG decode: no extra, other
     chroma) or ``auto``, nvimgcodec where it is installed (decode/codecs.py)."""
+    gpu_decode_threads: int = 1
+    """decode=gpu: threads in the training process that decode the workers' batches, each with
+    its own decoder, stream and buffer. A decode call waits for the GPU's JPEG engines; with two
+    or more, one batch's call overlaps the next one's. The batches come in the workers' order
+    either way (delivery/gpubatches.py)."""
     warm_start: bool = True
     """The first batch: worker 0 decodes its crops on a thread per worker while the others wait
     (delivery/warmstart.py), so the first batch comes sooner."""
@@ -404,6 +409,7 @@ MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stra
 DECODE_RULES: tuple[Rule, ...] = (
     ("decode", lambda o: o.decode in DECODES, "cpu or gpu"),
     ("gpu_decoder", lambda o: o.gpu_decoder in GPU_DECODERS, "auto, nvimgcodec or torchvision"),
+    ("gpu_decode_threads", lambda o: isinstance(o.gpu_decode_threads, int) and o.gpu_decode_threads >= 1, "1 or more"),
     (
         "decode",
         lambda o: o.decode != "gpu" or o.cross_shuffle == 0,

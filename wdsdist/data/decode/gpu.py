@@ -251,6 +251,36 @@ class BatchDecoder:
         return train_geometry(self.size, box[4]) if self.train else eval_geometry(box[2], box[3], self.size)
 
 
+class Decoders:
+    """decode=gpu's decoders, one per decode thread (loader.gpu_decode_threads; gpubatches.py
+    runs each on a thread of its own): their counts and host time added up."""
+
+    def __init__(self, threads: int, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
+        self.all = [BatchDecoder(size, device, train, engine) for _ in range(threads)]
+
+    @property
+    def pairs(self) -> list[tuple]:
+        """Each decoder's ``(decode, setup)``, for gpubatches.decoded_ahead."""
+        return [(d.decode, d.setup) for d in self.all]
+
+    @property
+    def counts(self) -> collections.Counter[str]:
+        return sum((d.counts for d in self.all), collections.Counter())
+
+    @property
+    def host(self) -> collections.Counter[str]:
+        return sum((d.host for d in self.all), collections.Counter())
+
+    @property
+    def described(self) -> str:
+        threads = len(self.all)
+        return self.all[0].described + (f"; {threads} decode threads" if threads > 1 else "")
+
+    def hand_over(self, batch: dict) -> dict:
+        """Any decoder's hand-over does it (the batch carries its event); its time is counted there."""
+        return self.all[0].hand_over(batch)
+
+
 def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:
     try:
         return decode_image(data, mode=ImageReadMode.RGB)

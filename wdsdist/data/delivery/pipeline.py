@@ -59,7 +59,7 @@ import webdataset as wds
 
 from wdsdist.data.decode import gpu, jpegcrop
 from wdsdist.data.decode.codecs import planned as planned_decoder  # noqa: F401 (the Loader names it)
-from wdsdist.data.decode.gpu import BatchDecoder
+from wdsdist.data.decode.gpu import Decoders
 from wdsdist.data.decode.sample import eval_image
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
 from wdsdist.data.delivery.gpubatches import decoded_ahead
@@ -136,7 +136,8 @@ class RankLoader:
         # decode=gpu: batches of bytes, decoded on the device (decode/gpu.py)
         self.decoder = None
         if cfg.decode == "gpu":
-            self.decoder = BatchDecoder(cfg.image_size, gpu.device(), train=cfg.train, engine=cfg.gpu_decoder)
+            device = gpu.device()
+            self.decoder = Decoders(cfg.gpu_decode_threads, cfg.image_size, device, cfg.train, cfg.gpu_decoder)
         shared = None
         if cfg.workers > 0 and cfg.reuse_buffers and self.decoder is None:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
@@ -201,7 +202,7 @@ class RankLoader:
         first = next(batches, None)
         if first is None:
             return iter(())
-        return decoded_ahead(itertools.chain([first], batches), self.decoder.decode, self.decoder.setup)
+        return decoded_ahead(itertools.chain([first], batches), self.decoder.pairs)
 
     def _finished(self, batch: dict) -> dict:
         """A batch as the caller gets it, once the tracker has counted every row it consumed:
