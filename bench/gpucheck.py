@@ -70,6 +70,7 @@ class Sizes:
     compute_steps: int
     budget_s: float  # parts not begun by then are skipped; runs are cut at it
     cpu_rows: bool = True  # (c), (d): the CPU decode rows beside the GPU's
+    decode_threads: tuple[int, ...] = (1,)  # (c), (d): loader.gpu_decode_threads for GPU decode
 
 
 GPU = Sizes(
@@ -275,17 +276,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="(c), (d), (e): these decoders' rows only (default: all three)",
     )
     p.add_argument("--gpu-workers", nargs="+", type=int, help="(c), (d): trainer.workers for GPU decode (default: 2)")
+    p.add_argument(
+        "--decode-threads", nargs="+", type=int, help="(c), (d): loader.gpu_decode_threads for GPU decode (default: 1)"
+    )
     return p.parse_args(argv)
 
 
 def sized(args: argparse.Namespace) -> Sizes:
-    """The sizes for this machine, less the rows --decoders and --gpu-workers leave out."""
+    """The sizes for this machine, less the rows --decoders leaves out, with the GPU rows'
+    workers and decode threads as asked."""
     sizes = CPU if args.cpu else GPU
     if args.decoders:
         gpu = tuple(d for d in args.decoders if d != "cpu")
         sizes = replace(sizes, cpu_rows="cpu" in args.decoders, gpu_decoders=gpu)
     if args.gpu_workers:
         sizes = replace(sizes, gpu_workers=tuple(args.gpu_workers))
+    if args.decode_threads:
+        sizes = replace(sizes, decode_threads=tuple(args.decode_threads))
     return sizes
 
 

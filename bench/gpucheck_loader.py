@@ -143,6 +143,21 @@ def loader_rate(index: str, config: Any, window_s: float, most_s: float, cuda: b
     return rate | {"batches": count[0], "warmup_s": first, "status": "ok"}
 
 
+def gpu_rows(sizes: Any) -> list[tuple[str, int, int]]:
+    """(c), (d): each GPU decode row's label, workers and decode threads."""
+    return [
+        (f"gpu/{d}" + (f" ({t} threads)" if t > 1 else ""), w, t)
+        for w in sizes.gpu_workers
+        for t in sizes.decode_threads
+        for d in sizes.gpu_decoders
+    ]
+
+
+def decoder_of(label: str) -> str:
+    """A GPU row's loader.gpu_decoder ("gpu/nvimgcodec (2 threads)": nvimgcodec)."""
+    return label.split("/")[1].split(" ")[0]
+
+
 def loader_alone(check: Any, part: dict) -> None:
     """(d): CPU decode by the number of workers, then GPU decode alone."""
     from wdsdist.data import LoaderConfig
@@ -150,16 +165,17 @@ def loader_alone(check: Any, part: dict) -> None:
     sizes, cuda = check.sizes, not check.cpu
     index = index_of(check, "photos")
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
-    runs: list[tuple[str, int]] = [("cpu", w) for w in sizes.loader_workers if sizes.cpu_rows]
-    runs += [(f"gpu/{d}", w) for w in sizes.gpu_workers for d in sizes.gpu_decoders]
-    for decode, workers in runs:
+    runs: list[tuple[str, int, int]] = [("cpu", w, 1) for w in sizes.loader_workers if sizes.cpu_rows]
+    runs += gpu_rows(sizes)
+    for decode, workers, threads in runs:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)
         if decode != "cpu" and not cuda:
             row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
             continue
         try:
-            extra = {"decode": "gpu", "gpu_decoder": decode.split("/")[1]} if decode != "cpu" else {}
+            extra = {"decode": "gpu", "gpu_decoder": decoder_of(decode)} if decode != "cpu" else {}
+            extra |= {"gpu_decode_threads": threads} if decode != "cpu" else {}
             config = LoaderConfig(**common, **extra, workers=workers)
             row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
             state = "steady" if row["steady"] else f"not steady after {row['timed_s']} s"

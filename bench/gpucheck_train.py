@@ -323,6 +323,8 @@ def resume(check: Any, part: dict) -> None:
 def imagenet_size(check: Any, part: dict) -> None:
     """(c): each model at the big image size, CPU decode at the trainer's worker default and GPU
     decode with few workers, beside the model's pure compute."""
+    from gpucheck_loader import decoder_of, gpu_rows  # bench/, beside this file
+
     sizes = check.sizes
     index = check.work / "photos" / "photos.index.json"
     device = ["trainer.device=cpu"] if check.cpu else []
@@ -334,9 +336,9 @@ def imagenet_size(check: Any, part: dict) -> None:
         common += [f"trainer.log_every={sizes.log_every}", *device]
         pure = pure_compute(common, sizes.device, sizes.compute_steps)
         check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
-        configs = [("cpu", sizes.cpu_workers)] if sizes.cpu_rows else []
-        configs += [(f"gpu/{d}", str(w)) for w in sizes.gpu_workers for d in sizes.gpu_decoders]
-        for decode, workers in configs:
+        configs = [("cpu", sizes.cpu_workers, 1)] if sizes.cpu_rows else []
+        configs += [(label, str(w), t) for label, w, t in gpu_rows(sizes)]
+        for decode, workers, threads in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
             part["rows"].append(row)
             if decode != "cpu" and check.cpu:
@@ -344,8 +346,10 @@ def imagenet_size(check: Any, part: dict) -> None:
                 continue
             extra = [f"trainer.workers={workers}"]
             if decode != "cpu":
-                extra += ["loader.decode=gpu", f"loader.gpu_decoder={decode.split('/')[1]}"]
-            result = train_py(check, f"c-{model}-{decode.replace('/', '-')}-{workers}", common + extra, sizes.warmup)
+                extra += ["loader.decode=gpu", f"loader.gpu_decoder={decoder_of(decode)}"]
+                extra += [f"loader.gpu_decode_threads={threads}"]
+            name = f"c-{model}-{re.sub(r'[^a-z0-9]+', '-', decode)}-{workers}"
+            result = train_py(check, name, common + extra, sizes.warmup)
             row |= run_row(result, sizes.warmup, sizes.batch)
             beside(row, pure)
             check.save()
