@@ -100,8 +100,8 @@ def _preloaded_python() -> subprocess.Popen:
     return _preloaded[0]
 
 
-def _answer(server: subprocess.Popen, timeout: float | None) -> int | None:
-    """The next line from the server as an int; None once the timeout passes."""
+def _answer(server: subprocess.Popen, timeout: float | None) -> list[int] | None:
+    """The next line from the server, as ints; None once the timeout passes."""
     line = b""
     while not line.endswith(b"\n"):
         if not select.select([server.stdout], [], [], timeout)[0]:
@@ -110,32 +110,35 @@ def _answer(server: subprocess.Popen, timeout: float | None) -> int | None:
         if not chunk:
             raise RuntimeError(f"tests/preloaded.py ended (exit status {server.wait()})")
         line += chunk
-    return int(line)
+    return [int(x) for x in line.split()]
 
 
 def run_script(
-    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None, ranks: int | None = None
 ) -> subprocess.CompletedProcess:
     """Run a top-level script of the project (or -c CODE ARGS, or the venv's torchrun) with the venv's Python,
     capturing its output. The process is forked from a Python that has torch, torchvision,
     webdataset and Hydra imported (tests/preloaded.py): a fresh process in all else, seconds
-    sooner."""
+    sooner. ``ranks``: that many processes, the ranks of one job on this node, as torchrun
+    starts them (tests/helpers/training.py's ``ranks``); their output in one stdout and stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     server = _preloaded_python()
     with tempfile.TemporaryDirectory(prefix="run_script-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         request = {"argv": list(args), "cwd": str(cwd or ROOT), "env": env, "stdout": str(out), "stderr": str(err)}
+        request |= {"ranks": ranks} if ranks is not None else {}
         server.stdin.write(json.dumps(request).encode() + b"\n")
-        pid = _answer(server, None)
+        pids = _answer(server, None)
         status = _answer(server, timeout)
         if status is None:
-            os.kill(pid, signal.SIGKILL)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
             _answer(server, None)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     cmd = [sys.executable, *args]
     if status is None:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), stdout, stderr)
+    return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status[0]), stdout, stderr)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:

@@ -5,13 +5,23 @@ suite starts a few hundred such scripts; tests/conftest.py's run_script sends th
 
 Protocol: one JSON request a line on stdin ({argv, cwd, env, stdout, stderr}: the files the
 child writes); the answer is a line with the child's pid, then one with its wait status.
+
+With ``ranks`` (N) in the request, N children run the script as the ranks of one job, with the
+environment torchrun gives its workers on one node (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE; MASTER_ADDR and MASTER_PORT come with the request): rank 0 hosts the job's
+store, as under a launcher without torchrun's agent store. Their output goes to the same two
+files, as torchrun's workers share its. The answer is a line with their pids, then one with a
+wait status: the first failed rank's, or rank 0's. As torchrun does, a rank's failure stops the
+others (SIGTERM, then SIGKILL after 10 s).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 # Only what train.py and makeshards.py import anyway; never the project's own modules
 # (they load in the child as they would in a fresh process) nor anything that brings in boto3
@@ -35,8 +45,8 @@ def run_child(request: dict) -> None:
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):  # created by the server
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
     # A fresh interpreter seeds these from the OS; forked children would all share the server's.
     random.seed()
     np.random.seed()
@@ -53,27 +63,67 @@ def run_child(request: dict) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def start(request: dict, channels: tuple) -> int:
+    """A forked child running the request; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        for channel in channels:
+            channel.close()
+        try:
+            run_child(request)
+        except SystemExit:
+            raise  # the interpreter's own exit: the code, or the message on stderr and 1
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            sys.exit(1)
+        sys.exit(0)  # then the interpreter's shutdown: atexit handlers, threads joined, stdio flushed
+    return pid
+
+
+def rank_request(request: dict, rank: int, ranks: int) -> dict:
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": ranks, "LOCAL_WORLD_SIZE": ranks, "GROUP_RANK": 0}
+    return request | {"env": request["env"] | {k: str(v) for k, v in env.items()}}
+
+
+def wait_job(pids: list[int]) -> int:
+    """The ranks' wait status: the first failed one's, else rank 0's; a failure stops the rest."""
+    statuses: dict[int, int] = {}
+    failed, deadline = None, None
+    while len(statuses) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG if deadline else 0)
+        if pid == 0:  # the others were told to stop and have not yet
+            if time.monotonic() > deadline:
+                for other in set(pids) - set(statuses):
+                    os.kill(other, signal.SIGKILL)
+                deadline = None
+            time.sleep(0.05)
+            continue
+        statuses[pid] = status
+        if status != 0 and failed is None:
+            failed, deadline = status, time.monotonic() + 10
+            for other in set(pids) - set(statuses):
+                os.kill(other, signal.SIGTERM)
+    return failed if failed is not None else statuses[pids[0]]
+
+
 def serve() -> None:
     channel_in, channel_out = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
     for line in channel_in:
         request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            channel_in.close()
-            channel_out.close()
-            try:
-                run_child(request)
-            except SystemExit:
-                raise  # the interpreter's own exit: the code, or the message on stderr and 1
-            except BaseException:
-                sys.excepthook(*sys.exc_info())
-                sys.exit(1)
-            sys.exit(0)  # then the interpreter's shutdown: atexit handlers, threads joined, stdio flushed
-        print(pid, file=channel_out, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(status, file=channel_out, flush=True)
+        for path in (request["stdout"], request["stderr"]):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        ranks = request.get("ranks")
+        if ranks is None:
+            pid = start(request, (channel_in, channel_out))
+            print(pid, file=channel_out, flush=True)
+            _, status = os.waitpid(pid, 0)
+            print(status, file=channel_out, flush=True)
+            continue
+        pids = [start(rank_request(request, rank, ranks), (channel_in, channel_out)) for rank in range(ranks)]
+        print(" ".join(map(str, pids)), file=channel_out, flush=True)
+        print(wait_job(pids), file=channel_out, flush=True)
 
 
 if __name__ == "__main__":

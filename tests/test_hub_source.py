@@ -21,7 +21,7 @@ from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.hub import Hub
 from tests.helpers.loading import cfg
 from tests.helpers.trace import delivery, kept
-from tests.helpers.training import overrides, torchrun
+from tests.helpers.training import overrides, ranks
 from wdsdist.data import Loader
 from wdsdist.data.sources import opener, shardspec
 from wdsdist.data.sources.access import Access
@@ -193,7 +193,7 @@ def test_every_hub_error_is_one_line(hub, tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the trainer
 
 
-@pytest.mark.slow  # a torchrun job
+@pytest.mark.slow  # a job of two ranks
 def test_training_reads_the_hub_with_exact_epochs_and_a_node_cache_fetches_it_once(hub, tmp_path):
     extra = (
         "loader.mode=epoch", "trainer.epochs=3", f"loader.cache_dir={tmp_path / 'cache'}", "trainer.ckpt_every=0",
@@ -201,7 +201,7 @@ def test_training_reads_the_hub_with_exact_epochs_and_a_node_cache_fetches_it_on
     )  # fmt: skip
     run = tmp_path / "run"
     env = hub_env(hub, tmp_path, WDSDIST_TEST_TRACE=str(tmp_path / "trace"))
-    proc = torchrun(2, *overrides({"train": SPEC, "val": VAL_SPEC}, run, *extra), env=env)
+    proc = ranks(2, *overrides({"train": SPEC, "val": VAL_SPEC}, run, *extra), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     epochs = kept(tmp_path / "trace")
     assert sorted(epochs) == [0, 1, 2] and all(delivery(p, sum(TRAIN)).exact for p in epochs.values())

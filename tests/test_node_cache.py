@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import write_tiny_shards
 from tests.helpers.loading import cfg
 from tests.helpers.servers import Servers, counting_store
-from tests.helpers.training import overrides, torchrun
+from tests.helpers.training import overrides, ranks
 from wdsdist.data import CACHE_COUNTS, Loader
 from wdsdist.data.sources import cache, cachefiles, opener
 
@@ -136,7 +136,7 @@ def held_bytes(folder: Path) -> int:
 # ---------------------------------------------------------------- 1. a node's ranks, two runs
 
 
-@pytest.mark.slow  # two torchrun jobs
+@pytest.mark.slow  # two jobs of two ranks
 def test_two_ranks_two_epochs_fetch_each_shard_once_and_a_second_run_fetches_none(tmp_path, store):
     train = write_tiny_shards(tmp_path / "data" / "train", [24] * 4, "train", size=32)
     val = write_tiny_shards(tmp_path / "val", [8, 8], "val", size=32)
@@ -146,7 +146,7 @@ def test_two_ranks_two_epochs_fetch_each_shard_once_and_a_second_run_fetches_non
     folder = tmp_path / "cache"
     for run, limit in (("first", dataset * 1.05), ("second", 0)):
         extra = ("loader.mode=epoch", "trainer.epochs=2", f"loader.cache_dir={folder}", "trainer.ckpt_every=0")
-        proc = torchrun(2, *overrides({"train": spec, "val": str(val)}, tmp_path / run, *extra))
+        proc = ranks(2, *overrides({"train": spec, "val": str(val)}, tmp_path / run, *extra))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "shard cache" not in proc.stderr  # no warning: the cache took every shard
         sent = tar_bytes(counts.sent)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import cfg, keys_and_bad
-from tests.helpers.training import free_port, overrides, torchrun
+from tests.helpers.training import free_port, overrides, ranks
 from wdsdist.data.delivery.pipeline import make_eval_loader
 from wdsdist.data.sources import httpopen, retry, s3open, shardspec
 from wdsdist.errors import DataError, UserError
@@ -174,7 +174,7 @@ def test_two_ranks_each_open_only_their_own_objects(store, tmp_path):
     del store["app"].log[:]
     run = tmp_path / "run"
     endpoint = store["endpoint"] + "/r${oc.env:RANK}"
-    proc = torchrun(
+    proc = ranks(
         2,
         *overrides(
             {"train": quoted(f"s3://{BUCKET}/train/train.index.json"), "val": quoted(VAL_INDEX)},

@@ -14,6 +14,7 @@ from tests.helpers.training import (
     VAL_COUNTS,
     load,
     overrides,
+    ranks,
     torchrun,
     train,
 )
@@ -200,7 +201,7 @@ def test_training_under_nccls_device_map_sends_no_cpu_tensor_through_the_default
     run = tmp_path / "run"
     extra = ["trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.workers=1", f"loader.mode={mode}"]
     extra += ["trainer.epochs=1"] if mode == "epoch" else ["trainer.steps=3"]
-    proc = torchrun(nproc, *overrides(shards, run, *extra), env={"WDSDIST_TEST_BACKEND": "cuda:gloo"})
+    proc = ranks(nproc, *overrides(shards, run, *extra), env={"WDSDIST_TEST_BACKEND": "cuda:gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     steps = 12 // nproc if mode == "epoch" else 3  # 4 shards of 24 in batches of 8 over the ranks (1 worker each)
@@ -234,7 +235,7 @@ def test_every_rank_refuses_a_layout_that_would_hang(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in proc.stderr and "exitcode  : 2" in proc.stderr
 
 
-def test_epochs_of_the_sample_split_end_together_on_every_rank_under_torchrun(tmp_path):
+def test_epochs_of_the_sample_split_end_together_on_every_rank(tmp_path):
     """Uneven shards that whole-shard splitting cannot share equally: split=samples (the default
     in epoch mode) gives both ranks 5 batches per epoch, pads 10 samples, and says so."""
     counts = [13, 29, 7, 21]  # 70 samples; 2 ranks x batch 8: 5 batches each, 80 delivered
@@ -255,7 +256,7 @@ def test_epochs_of_the_sample_split_end_together_on_every_rank_under_torchrun(tm
         "loader.shuffle_buffer=20",
         f"run_dir={run}",
     ]
-    proc = torchrun(2, *args)
+    proc = ranks(2, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rank_steps"] == [15, 15] and len(set(summary["rank_params"])) == 1

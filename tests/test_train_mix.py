@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.config import compose_config
-from tests.helpers.training import VAL_COUNTS, overrides, torchrun
+from tests.helpers.training import VAL_COUNTS, overrides, ranks
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture)
 from wdsdist.data import Loader, LoaderConfig, Source
 from wdsdist.data.plan.mix import coverage, epoch_total
@@ -61,13 +61,13 @@ def mix_args(shards, sets, run_dir: Path, *extra: str, settings: dict = SETTINGS
 
 @pytest.fixture(scope="module")
 def mixed_run(shards, sets, tmp_path_factory):
-    """Two epochs of the three sources on two ranks under torchrun (one worker each), evaluated
+    """Two epochs of the three sources on two ranks (one worker each), evaluated
     at the end on data.val_shards and each of data.val_sources: (run directory, stdout,
     TensorBoard events). Two ranks: the counts in the lines are both ranks' (all-reduced)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path_factory.mktemp("mix") / "run"
-    proc = torchrun(2, *mix_args(shards, sets, run, "trainer.workers=1"))
+    proc = ranks(2, *mix_args(shards, sets, run, "trainer.workers=1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = EventAccumulator(str(run), size_guidance={"scalars": 0}).Reload()
     return run, proc.stdout, events

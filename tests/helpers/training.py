@@ -74,5 +74,15 @@ def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.Comp
     return run_script(*cmd, "train.py", *args, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def ranks(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """train.py as ``nproc`` ranks on this node, forked from the preloaded Python with the
+    environment torchrun gives its workers (tests/preloaded.py): for the tests whose point is
+    what the ranks do, not torchrun itself (its agent, restarts, elastic resizes and faults keep
+    ``torchrun``). Each rank spares the 4 s of CPU a fresh interpreter spends importing torch and
+    torchvision (bench/results/2026-11-28-suite-where-the-time-goes.md)."""
+    env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    return run_script("train.py", *args, env=env, ranks=nproc)
+
+
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
