@@ -1,4 +1,4 @@
-"""wdsdist.lightning under PyTorch Lightning's own DDP (2 CPU processes, gloo), through
+"""wdsdist.lightning under PyTorch Lightning's DDP (2 CPU processes, gloo), through
 examples/lightning_train.py: every sample of an epoch once (plus the stated padding), equal
 batches, an exact resume from a mid-epoch Lightning checkpoint, on the same and on another
 number of devices, and Lightning's three traps (rank 0 writes the checkpoint, the one-ahead
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script, write_tiny_shards
+from tests.helpers.training import free_port
 from wdsdist.data import Loader, LoaderConfig
 
 pytestmark = pytest.mark.slow  # real training processes
@@ -30,7 +31,9 @@ PER_RANK = -(-N // (RANKS * BATCH))
 
 def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RANKS) -> dict[int, list[dict]]:
     """Run the example; each rank's batches as it traced them (epoch, len, pos, id). Its output
-    goes to TMP/NAME.out."""
+    goes to TMP/NAME.out. Its ranks are forked from the preloaded Python with torchrun's
+    environment, which Lightning takes as torchrun's launch (tests/preloaded.py); the example's
+    own launch, Lightning starting the other ranks, is tests/test_examples.py's."""
     tmp.mkdir(parents=True, exist_ok=True)
     result = run_script(
         str(ROOT / "examples" / "lightning_train.py"),
@@ -45,7 +48,8 @@ def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RAN
         f"--trace={tmp / name}",
         *extra,
         cwd=tmp,
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+        ranks=devices if devices > 1 else None,  # one device: a plain process, as before
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (tmp / f"{name}.out").write_text(result.stdout)
