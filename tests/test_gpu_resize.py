@@ -248,7 +248,8 @@ def test_the_environment_tunes_nvimagecodec_and_a_wrong_backend_is_one_line():
     import nvidia.nvimgcodec as nv
 
     assert codecs._backend(nv, "v", "HW_GPU_ONLY:0.75").load_hint == pytest.approx(0.75)
-    for spec, said in (("HW:1", "has no backend 'HW'; it has CPU_ONLY"), ("GPU_ONLY:half", "'half' is not a share")):
+    wrong = [("HW:1", "has no backend 'HW'; it has CPU_ONLY"), ("GPU_ONLY:half", "'half' is not a share")]
+    for spec, said in [*wrong, ("GPU_ONLY:1.5", "'1.5' is not a share between 0 and 1")]:
         with pytest.raises(UserError, match=said) as caught:
             codecs._backend(nv, "v", spec)
         assert "\n" not in str(caught.value)

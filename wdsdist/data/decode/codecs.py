@@ -241,7 +241,9 @@ def _backend(nv, version: str, spec: str):
     try:
         hint = float(load) if load else 1.0
     except ValueError:
-        raise UserError(f"nvImageCodec backend {spec!r}: {load!r} is not a share between 0 and 1") from None
+        hint = -1.0
+    if not 0.0 <= hint <= 1.0:
+        raise UserError(f"nvImageCodec backend {spec!r}: {load!r} is not a share between 0 and 1")
     return nv.Backend(getattr(nv.BackendKind, kind), load_hint=hint)
 
 
@@ -333,10 +335,10 @@ def choose(device: torch.device, stream, engine: str = "auto"):
 
 
 def tuning(env: dict | None = None) -> dict:
-    """nvImageCodec's settings as the environment overrides them (gpu-check's probe passes the
-    fastest it measured this way): WDSDIST_NVIMGCODEC_BACKENDS (comma-separated BackendKind
-    names, tried in order), WDSDIST_NVIMGCODEC_OPTIONS (its decoder options, as nvImageCodec
-    reads them), WDSDIST_NVIMGCODEC_REGIONS (0: decode whole images and cut the crops)."""
+    """nvImageCodec's settings as the environment overrides them, to try another on a GPU
+    (gpu-check's probe times several): WDSDIST_NVIMGCODEC_BACKENDS (comma-separated
+    ``KIND[:share]``, tried in order), WDSDIST_NVIMGCODEC_OPTIONS (its decoder options, as
+    nvImageCodec reads them), WDSDIST_NVIMGCODEC_REGIONS (0: decode whole images, cut the crops)."""
     env = os.environ if env is None else env
     out: dict = {}
     if env.get("WDSDIST_NVIMGCODEC_BACKENDS"):
