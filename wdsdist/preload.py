@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LIBRARY = Path("nvidia", "cu13", "lib", "libnvjpeg.so.13")
-loaded: str | None = None  # the path loaded, for decode=gpu's start-up line
+loaded: str | None = None  # the path loaded; None where nothing was
 
 
 def extra_nvjpeg(paths: list[str]) -> Path | None:
