@@ -1,7 +1,9 @@
 """A Python with torch, torchvision, webdataset and Hydra imported, which runs each script it is
 sent in a forked child: a process of its own (pid, exit status, stdout and stderr files, cwd,
 environment, argv, __main__), minus the 3-6 s a fresh interpreter spends importing those. The
-suite starts a few hundred such scripts; tests/conftest.py's run_script sends them here.
+suite starts a few hundred such scripts; tests/conftest.py's run_script sends them here. A child
+ends as multiprocessing's do: what its work can see of an interpreter's exit, then os._exit
+(``exit_as_python_does``).
 
 Protocol: one JSON request a line on stdin ({argv, cwd, env, stdout, stderr}: the files the
 child writes); the answer is a line with the child's pid, then one with its wait status.
@@ -17,6 +19,7 @@ others (SIGTERM, then SIGKILL after 10 s).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -71,13 +74,46 @@ def start(request: dict, channels: tuple) -> int:
             channel.close()
         try:
             run_child(request)
-        except SystemExit:
-            raise  # the interpreter's own exit: the code, or the message on stderr and 1
+            code = 0
+        except SystemExit as exc:
+            code = exit_code(exc)
         except BaseException:
             sys.excepthook(*sys.exc_info())
-            sys.exit(1)
-        sys.exit(0)  # then the interpreter's shutdown: atexit handlers, threads joined, stdio flushed
+            code = 1
+        exit_as_python_does(code)
     return pid
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The status the interpreter gives a SystemExit: None 0, an int itself, else printed and 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def exit_as_python_does(code: int) -> None:
+    """The steps of an interpreter's exit that a process's work can see (its non-daemon threads
+    joined, atexit handlers, stdio flushed), then os._exit, as multiprocessing's children end.
+    The rest of a normal exit, tearing down every module of the preloaded Python, rewrote
+    reference counts on all of its inherited pages: 1.5 s of CPU a child on this 2-core machine,
+    over the few hundred scripts of the suite a third of its time
+    (bench/results/2026-11-28-suite-child-exit.md)."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code & 0xFF)
 
 
 def rank_request(request: dict, rank: int, ranks: int) -> dict:
@@ -107,6 +143,9 @@ def wait_job(pids: list[int]) -> int:
 
 
 def serve() -> None:
+    # The preloaded objects move to a generation the collector never scans: a child's collections
+    # would otherwise walk (and so copy) every page of them.
+    gc.freeze()
     channel_in, channel_out = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)

@@ -1,10 +1,40 @@
-"""tests/preloaded.py's ranks (run_script(..., ranks=N)), which the suite's multi-rank jobs use
-where torchrun itself is not the point: each rank gets torchrun's environment, their output
-shares one stdout, and a failed rank stops the others and sets the job's exit status."""
+"""tests/preloaded.py's children: they end as an interpreter ends (its threads joined, atexit
+handlers, output flushed, SystemExit's status), and its ranks (run_script(..., ranks=N)), which
+the suite's multi-rank jobs use where torchrun itself is not the point: each rank gets torchrun's
+environment, their output shares one stdout, and a failed rank stops the others and sets the
+job's exit status."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 from tests.conftest import run_script
+
+ENDS = """
+import atexit, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=False))
+def late():
+    time.sleep(0.3)
+    sys.stdout.write("the thread ended after the script")  # no newline, not flushed
+threading.Thread(target=late).start()
+print("unflushed", end="", file=sys.stderr)
+sys.exit(CODE)
+"""
+
+
+@pytest.mark.parametrize("code", ["None", "7", "'gone: no data'"])
+def test_a_child_ends_as_a_fresh_interpreter_does(code):
+    """Same status, same output in the same order (the thread's before atexit's, the SystemExit
+    message after what stderr held unflushed) as the script run by a Python of its own."""
+    script = ENDS.replace("CODE", code)
+    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = run_script("-c", script)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert "atexit ran" in proc.stdout and "the thread ended" in proc.stdout and proc.stderr.startswith("unflushed")
+
 
 SHOW = """
 import os, sys
