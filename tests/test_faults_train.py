@@ -1,6 +1,8 @@
 """Faults in a training job: bad data on one rank, a killed rank, SIGTERM, a corrupt checkpoint,
-a stalled rank, hostile checkpoints. Real train.py runs under torchrun (gloo, CPU), kept tiny:
-SqueezeNet on 32-pixel images, one loader worker, no evaluation unless it is the point."""
+a stalled rank, hostile checkpoints. Real train.py runs (gloo, CPU), kept tiny: SqueezeNet on
+32-pixel images, one loader worker, no evaluation unless it is the point. Under torchrun where its
+agent is the point (restarts, signals to the job, a stalled rank's timeout); bad data is the
+ranks' own work, so those ranks are forked with torchrun's environment (tests/helpers/training.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script, write_tiny_shards
-from tests.helpers.training import free_port, load, overrides, torchrun, train
+from tests.helpers.training import free_port, load, overrides, ranks, torchrun, train
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture, reused)
 
 pytestmark = pytest.mark.slow  # real training processes
@@ -142,7 +144,7 @@ def test_bad_data_on_one_rank_is_skipped_counted_and_ranks_stay_in_step(shards, 
     run = tmp_path / "run"
     # split=shards: the bad shards all land on rank 1 (the default split=samples spreads them)
     extra = ("loader.mode=epoch", "loader.split=shards", "trainer.steps=5", "trainer.log_every=1")
-    proc = torchrun(2, *args(shards, run, *extra, train_spec=bad_shards["index"]))
+    proc = ranks(2, *args(shards, run, *extra, train_spec=bad_shards["index"]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rank_steps"] == [5, 5]
@@ -161,7 +163,7 @@ def test_bad_data_on_one_rank_is_skipped_counted_and_ranks_stay_in_step(shards, 
 
 
 def test_bad_data_in_strict_mode_stops_the_job_naming_the_shard(shards, bad_shards, tmp_path):
-    proc = torchrun(2, *args(shards, tmp_path / "run", "data.strict=true", train_spec=bad_shards["index"]))
+    proc = ranks(2, *args(shards, tmp_path / "run", "data.strict=true", train_spec=bad_shards["index"]))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1: ")]
     assert errors, proc.stderr

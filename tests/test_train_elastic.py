@@ -1,8 +1,11 @@
-"""Elastic resume under torchrun (gloo, CPU): a checkpoint of one layout resumed on another, with
+"""Elastic resume (gloo, CPU): a checkpoint of one layout resumed on another, with
 loader.split=samples in epoch mode, mid-epoch and at an epoch's end. Every sample of the
 interrupted epoch is delivered exactly once across the two runs, plus exactly the stated padding;
 every rank trains the same steps, and no rank hangs. Each rank traces the positions it trained on
-(faults.trace_for_test), which name the samples through the epoch's shard order."""
+(faults.trace_for_test), which name the samples through the epoch's shard order. The ranks are
+forked with torchrun's environment (tests/helpers/training.py's ``ranks``): the resize is the
+trainer's and the loader's work, not torchrun's agent's, whose re-forming of a job
+tests/test_cluster_faults.py and tests/test_faults_train.py hold."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.trace import traced
-from tests.helpers.training import load, torchrun
+from tests.helpers.training import load, ranks
 from wdsdist.data.plan.order import shard_order
 from wdsdist.data.plan.splits import rank_batches
 
@@ -57,7 +60,7 @@ def layout(world: int, workers: int) -> str:
 
 def run(nproc: int, workers: int, index: Path, run_dir: Path, trace: Path, *extra: str) -> dict:
     trace.mkdir()
-    proc = torchrun(nproc, *args(index, run_dir, workers, *extra), env={"WDSDIST_TEST_TRACE": str(trace)})
+    proc = ranks(nproc, *args(index, run_dir, workers, *extra), env={"WDSDIST_TEST_TRACE": str(trace)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -72,8 +75,7 @@ def test_a_resize_delivers_every_sample_of_the_interrupted_epoch_once_but_the_st
     k_old = rank_batches(N, old[0], BS, "pad")
     summary = run(*old, index, first, tmp_path / "trace1", "trainer.epochs=1", "trainer.ckpt_every=3", "trainer.keep=9")
     assert summary["rank_steps"] == [k_old] * old[0]
-    # At an epoch's end nothing is re-split whatever the layouts: once is enough (a torchrun start
-    # costs ~15 s of the suite's time on 2 cores).
+    # At an epoch's end nothing is re-split whatever the layouts: once is enough.
     stops = (("mid", 3), ("end", k_old)) if old == (2, 2) else (("mid", 3),)
     for stop, done in stops:
         resumed(tmp_path, index, old, new, stop, done, first / f"ckpt-{done:07d}.pt")
