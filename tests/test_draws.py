@@ -62,3 +62,15 @@ def test_making_one_leaves_the_generator_alone():
     torch.manual_seed(3)
     CropDraw(v2.RandomResizedCrop(224), v2.RandomHorizontalFlip())
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_making_one_seeds_no_accelerator(monkeypatch):
+    """Its check seeds the CPU generator only: torch.manual_seed would also (re)seed CUDA's,
+    which the fork of the CPU generator does not restore (and on a machine without CUDA, queue
+    the call with a stack trace each time)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    torch.manual_seed(5)
+    assert seeded == [5]  # what the check would have done
+    CropDraw(v2.RandomResizedCrop(224), v2.RandomHorizontalFlip())
+    assert seeded == [5]
