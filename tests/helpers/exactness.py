@@ -444,14 +444,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
         count = max(0, count - len(layout.since[0]))  # what this layout delivered before is done
         last = index == len(case.layouts) - 1
         stop = None if last else stop_at(count)
-        runs = []
-        for rank in range(world):
-            loader = make_loader(case, shards, shape, rank)
-            if state is not None:
-                loader.load_state_dict(state)
-            runs.append(run_rank(loader, case.mode, stop, None if case.mode == "epoch" else count))
-            del loader
-            gc.collect()  # this rank's workers end before the next rank's start
+        runs = run_ranks(case, shards, shape, state, stop, count)
         for rank, run in enumerate(runs):
             # this layout's batches since it began, the ones before a same-layout resume included
             mine = layout.since[rank] + run.steps
@@ -465,13 +458,11 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 straight = previous[1][rank].steps[previous[2] :]
                 n = min(len(straight), len(run.steps))
                 assert run.steps[:n] == straight[:n], f"rank {rank}: the resumed run left the uninterrupted one"
-        cut = stop if stop is not None else None
-        for run in runs:
-            for g in run.steps[:cut]:
+        for rank, run in enumerate(runs):  # what was delivered up to the checkpoint (all, in the last part)
+            layout.since[rank] += run.steps[:stop]
+            for g in run.steps[:stop]:
                 for e, t in zip(g.epochs, g.tags, strict=True):
                     delivered.setdefault(e, []).append(t)
-        for rank, run in enumerate(runs):
-            layout.since[rank] += run.steps[:cut]
         if stop is not None:
             steps_taken += stop
             state = every_rank([run.state for run in runs])
@@ -480,6 +471,27 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
         final = range(EPOCHS) if case.mode == "epoch" else range(horizon(case, layout) + 1)
         check_coverage(case, seq, delivered, final)
     return "held"
+
+
+def run_ranks(
+    case: Case, shards: Shards, shape: m.Shape, state: dict | None, stop: int | None, count: int
+) -> list[RankRun]:
+    """Every rank's run of a part, one rank after another, each resumed from ``state`` if given."""
+    runs = []
+    # A full collection walks the whole heap (torch, hypothesis, pytest: ~0.2 s CPU each, over half
+    # of this test's CPU); frozen, what was there before the part is left out of it.
+    gc.freeze()
+    try:
+        for rank in range(shape.world):
+            loader = make_loader(case, shards, shape, rank)
+            if state is not None:
+                loader.load_state_dict(state)
+            runs.append(run_rank(loader, case.mode, stop, None if case.mode == "epoch" else count))
+            del loader
+            gc.collect()  # this rank's workers end before the next rank's start
+    finally:
+        gc.unfreeze()
+    return runs
 
 
 def every_rank(states: list[dict | None]) -> dict:
