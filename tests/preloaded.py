@@ -72,16 +72,21 @@ def start(request: dict, channels: tuple) -> int:
     if pid == 0:
         for channel in channels:
             channel.close()
-        try:
-            run_child(request)
-            code = 0
-        except SystemExit as exc:
-            code = exit_code(exc)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        exit_as_python_does(code)
+        run_and_exit(lambda: run_child(request))
     return pid
+
+
+def run_and_exit(work) -> None:
+    """``work()`` as a script's run, then this process's exit with the status Python would give."""
+    try:
+        work()
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_as_python_does(code)
 
 
 def exit_code(exc: SystemExit) -> int:
