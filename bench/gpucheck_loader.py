@@ -249,7 +249,8 @@ def pixels(check: Any, part: dict) -> None:
     from wdsdist.data.decode import gpu
 
     sizes = check.sizes
-    common = {"batch_size": PIXEL_BATCH, "image_size": sizes.image_size, "num_classes": NCLASSES, "workers": 2}
+    batch = min(PIXEL_BATCH, sizes.pixel_images)  # the rehearsal's sets are smaller than a batch
+    common = {"batch_size": batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "workers": 2}
     common |= {"with_keys": True, "seed": 0}
     part["compared"] = "CPU decode (libjpeg-turbo, region) against each GPU decoder, the same draws"
     if check.cpu:

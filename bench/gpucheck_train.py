@@ -152,14 +152,21 @@ def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: 
     run_dir = check.work / "runs" / name
     args = [*overrides, f"outputs={check.work / 'outputs'}", f"run_dir={run_dir}"]
     launch = ["-m", "wdsdist.train.launch", "--nproc_per_node=1", f"--master_port={free_port()}"] if torchrun else []
-    cmd = [sys.executable, *launch, "train.py", *args]
+    # The rehearsal forks its runs (gpucheck_fork.py), torchrun's worker too: torchrun runs
+    # train.py in a process forked from its agent instead of a fresh `python -u train.py`.
+    launch += ["--run-path", "--start-method=fork"] if torchrun and check.preloaded else []
+    script = str(ROOT / "train.py") if torchrun and check.preloaded else "train.py"  # --run-path: a full path
     check.say(f"  {'torchrun' if torchrun else 'train.py'} {' '.join(overrides)}")
     (check.work / "runs").mkdir(parents=True, exist_ok=True)
     out_path = check.work / "runs" / f"{name}.out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(out_path, "w") as out, CpuWatch(run_dir / "train.log") as watch:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if check.preloaded:
+            proc = check.preloaded.start([*launch, script, *args], env, out_path)
+        else:
+            cmd = [sys.executable, *launch, script, *args]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         watch.pid = proc.pid  # plain train.py: the process that trains (torchrun's agent is not)
         try:
             rc = proc.wait(timeout=max(30.0, check.left()))
@@ -305,7 +312,8 @@ def resume(check: Any, part: dict) -> None:
     for steps, extra in ((n, []), (2 * n, ["trainer.resume=auto"])):
         result = train_py(check, "b-resume", [*common, *extra, f"trainer.steps={steps}"], 0, torchrun=True)
         s = result["summary"] or {}
-        row = {"run": f"torchrun --nproc_per_node=1 train.py {' '.join(extra + [f'trainer.steps={steps}'])}"}
+        flags = " --run-path --start-method=fork" if check.preloaded else ""  # the rehearsal's (train_py)
+        row = {"run": f"torchrun --nproc_per_node=1{flags} train.py {' '.join(extra + [f'trainer.steps={steps}'])}"}
         row |= {"status": "failed" if "error" in result else "ok", "wall_s": result["wall_s"]}
         row |= {"steps": s.get("steps"), "resumed_from_step": s.get("resumed_from_step"), "error": result.get("error")}
         part["rows"].append(row)
