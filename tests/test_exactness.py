@@ -1,8 +1,9 @@
 """The loader held to its model over random layouts (issue 35): equal batches on every rank,
 every position once per epoch plus exactly the stated padding, each source's samples, len(), and
 resumes (mid-epoch, mid-rotation, once or twice, on the same layout or another) that go on batch
-for batch on the same layout and exactly on any other. The cases and the driver are in
-tests/helpers/exactness.py, the model in tests/helpers/model.py.
+for batch on the same layout and exactly on any other. The cases are drawn in
+tests/helpers/exactness_cases.py and run by tests/helpers/exactness.py, the model is in
+tests/helpers/model.py.
 
 The suite runs a fixed set of drawn examples (derandomized) and the cases the randomized test
 found, shrunk, each kept below with what it broke; ``./run fuzz --examples N`` (or
@@ -18,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.exactness import Case, Data, cases, check_case
+from tests.helpers.exactness import check_case
+from tests.helpers.exactness_cases import Case, Data, cases
 
 EXAMPLES = int(os.environ.get("WDSDIST_EXACTNESS_EXAMPLES", "30"))
 

@@ -32,7 +32,8 @@ def worker(job: int, examples: int, minutes: float | None, seed: int) -> int:
     from hypothesis import seed as seeded
     from hypothesis import strategies as st
 
-    from tests.helpers.exactness import cases, check_case
+    from tests.helpers.exactness import check_case
+    from tests.helpers.exactness_cases import cases
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # the cases' workers
     start = time.monotonic()

@@ -1,0 +1,115 @@
+"""The randomized exactness test's cases: what a case is and the Hypothesis strategy that draws one.
+
+A case (``Case``) is a data set (or up to three, mixed, each a ``Data``), loader options and a
+chain of up to three layouts, each given as (ranks, workers). ``cases()`` draws them within the
+bounds the driver can run (tests/helpers/exactness.py's ``check_case``): most cases fit every
+layout, a few are meant to be refused at start. tests/test_exactness.py draws from it in the
+suite and keeps the cases it found; ``./run fuzz`` (tests/helpers/fuzz.py) draws new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+from hypothesis import strategies as st
+
+from wdsdist.data import LoaderConfig
+
+
+@dataclass(frozen=True)
+class Data:
+    """One data set: its shards' sample counts and, among several, how much an epoch reads."""
+
+    counts: tuple[int, ...]
+    setting: str | None = None  # weight, repeat or samples
+    value: float | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    data: tuple[Data, ...]
+    batch: int
+    buffer: int
+    remainder: str
+    mode: str
+    split: str
+    mix: str
+    seed: int
+    epoch_samples: int | None
+    layouts: tuple[tuple[int, int], ...]  # (ranks, workers) of each part of the run
+
+    def config(self, workers: int) -> LoaderConfig:
+        return LoaderConfig(
+            batch_size=self.batch, workers=workers, mode=self.mode, split=self.split, remainder=self.remainder,
+            shuffle_buffer=self.buffer, seed=self.seed, image_size=8, mix=self.mix, epoch_samples=self.epoch_samples,
+        )  # fmt: skip
+
+
+def _fixed(data: Data) -> int:
+    """Samples an epoch reads of a source that has no weight (at most)."""
+    size = sum(data.counts)
+    if data.setting == "samples":
+        return int(data.value)  # type: ignore[arg-type]
+    rate = Fraction(str(data.value)) if data.setting == "repeat" else Fraction(1)
+    return -(-rate * size // 1)
+
+
+@st.composite
+def cases(draw: Callable) -> Case:
+    """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
+    buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
+    weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too."""
+    several = draw(st.integers(1, 3))
+    data = []
+    for _ in range(several):
+        counts = tuple(draw(st.lists(st.integers(1, 24), min_size=1, max_size=5)))
+        if several == 1:
+            data.append(Data(counts))
+            continue
+        setting = draw(st.sampled_from([None, "weight", "repeat", "samples"]))
+        value = {
+            None: st.none(),
+            "weight": st.sampled_from([0.1, 0.25, 0.5, 1.0, 3.0]),
+            "repeat": st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]),
+            "samples": st.integers(1, 50),
+        }[setting]
+        data.append(Data(counts, setting, draw(value)))
+    epoch_samples = None
+    if any(d.setting == "weight" for d in data):
+        epoch_samples = sum(_fixed(d) for d in data if d.setting != "weight") + draw(st.integers(1, 120))
+    mode = draw(st.sampled_from(["epoch", "repeat"]))
+    split = "samples" if mode == "epoch" or several > 1 else draw(st.sampled_from(["samples", "shards"]))
+    batch = draw(st.integers(1, 17))
+    # Most cases fit every layout (a layout too small for its workers is refused at start, as
+    # the model says): the batch and the later layouts are drawn within the data's size.
+    fit = draw(st.sampled_from([True, True, True, False]))
+    total = (epoch_samples or sum(_fixed(d) for d in data)) - several  # epoch 0's length, at least
+    if split == "shards":
+        total = len(data[0].counts) * batch  # a worker needs a shard, whatever the batch
+    parts = draw(st.integers(1, 3))
+    layouts = [(draw(st.integers(1, 5)), draw(st.integers(0, 4)))]
+    if fit:
+        batch = max(1, min(batch, total // (layouts[0][0] * max(layouts[0][1], 1))))
+    for _ in range(parts - 1):
+        if draw(st.booleans()):
+            layouts.append(layouts[-1])
+            continue
+        world = draw(st.integers(1, 5 if not fit else max(1, min(5, total // batch))))
+        workers = draw(st.integers(0, 4 if not fit else max(0, min(4, total // (batch * world)))))
+        layouts.append((world, workers))
+    span = max(1, sum(sum(d.counts) for d in data) // (layouts[0][0] * max(layouts[0][1], 1)))
+    buffer = draw(st.one_of(st.just(0), st.integers(1, 2 * span)))
+    return Case(
+        data=tuple(data),
+        batch=batch,
+        buffer=buffer,
+        remainder=draw(st.sampled_from(["pad", "drop"])),
+        mode=mode,
+        split=split,
+        mix=draw(st.sampled_from(["sample", "stratified"])) if several > 1 else "sample",
+        seed=draw(st.integers(0, 999)),
+        epoch_samples=epoch_samples,
+        layouts=tuple(layouts),
+    )
