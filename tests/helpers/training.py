@@ -55,6 +55,15 @@ def overrides(shards, run_dir: Path, *extra: str, train_spec: str | None = None)
     ]
 
 
+# The fault tests' runs (tests/test_faults_train.py, tests/test_faults_checkpoints.py): no
+# evaluation, SqueezeNet, one loader worker.
+FAST = ("data.val_shards=null", "model.name=squeezenet1_1", "trainer.workers=1")
+
+
+def fast_args(shards, run_dir: Path, *extra: str, train_spec: str | None = None) -> list[str]:
+    return overrides(shards, run_dir, *FAST, *extra, train_spec=train_spec)
+
+
 def train(shards, run_dir: Path, *extra: str, train_spec: str | None = None) -> dict:
     proc = run_script("train.py", *overrides(shards, run_dir, *extra, train_spec=train_spec))
     assert proc.returncode == 0, proc.stdout + proc.stderr
