@@ -189,9 +189,9 @@ def run_one(name: str, info: dict, parts: dict[str, dict], args: argparse.Namesp
     """One epoch of ``args.samples`` samples (whole batches). LitData's weighted epoch ends at its
     first exhausted dataset, shorter than that: its next epochs follow, started as a user's loop
     would, until the samples are in."""
-    import bench  # noqa: PLC0415  (its CPU time of a process tree: this one and its workers)
+    from memory import TreeMemory  # noqa: PLC0415  (bench/: the CPU time of a process tree, this one and its workers)
 
-    tree = bench.TreeMemory()
+    tree = TreeMemory()
     start, cpu_start = time.perf_counter(), tree.cpu()
     loader = loader_for(name, info, parts, args)
     want = args.samples // args.batch
@@ -222,7 +222,7 @@ def run_one(name: str, info: dict, parts: dict[str, dict], args: argparse.Namesp
         "first_batch_s": first - start,
         "with_start_samples_per_s": n * args.batch / (end - start),
         # CPU time of the process and its workers per sample: what a busy machine's load does not
-        # stretch, as it stretches wall time (bench.TreeMemory.cpu)
+        # stretch, as it stretches wall time (memory.TreeMemory.cpu)
         "cpu_ms_per_sample": (cpu_end - cpu_first) * 1000 / ((n - 1) * args.batch),
         "cpu_ms_per_sample_with_start": (cpu_end - cpu_start) * 1000 / (n * args.batch),
         "batches": n,
