@@ -82,22 +82,23 @@ def tiny_shards(tmp_path):
 
 
 _START_ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")  # before any test's monkeypatch
-_preloaded: list[subprocess.Popen] = []
+_preloaded: dict[tuple[str, ...], subprocess.Popen] = {}
 
 
-def _preloaded_python() -> subprocess.Popen:
-    """tests/preloaded.py, started on the first run_script of this pytest process."""
-    if not _preloaded or _preloaded[0].poll() is not None:
+def _preloaded_python(also: tuple[str, ...] = ()) -> subprocess.Popen:
+    """tests/preloaded.py, importing the modules ``also`` names as well, started on the first
+    run_script of this pytest process that asks for it."""
+    if also not in _preloaded or _preloaded[also].poll() is not None:
         server = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "preloaded.py")],
+            [sys.executable, str(ROOT / "tests" / "preloaded.py"), *also],
             cwd=ROOT,
             env=_START_ENV,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
         )
-        _preloaded[:] = [server]
-    return _preloaded[0]
+        _preloaded[also] = server
+    return _preloaded[also]
 
 
 def _answer(server: subprocess.Popen, timeout: float | None) -> list[int] | None:
@@ -114,15 +115,22 @@ def _answer(server: subprocess.Popen, timeout: float | None) -> list[int] | None
 
 
 def run_script(
-    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None, ranks: int | None = None
+    *args: str,
+    cwd: Path | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    ranks: int | None = None,
+    preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """Run a top-level script of the project (or -c CODE ARGS, or the venv's torchrun) with the venv's Python,
     capturing its output. The process is forked from a Python that has torch, torchvision,
     webdataset and Hydra imported (tests/preloaded.py): a fresh process in all else, seconds
     sooner. ``ranks``: that many processes, the ranks of one job on this node, as torchrun
-    starts them (tests/helpers/training.py's ``ranks``); their output in one stdout and stderr."""
+    starts them (tests/helpers/training.py's ``ranks``); their output in one stdout and stderr.
+    ``preload``: modules to have imported as well, in a second such Python (for tests/test_lightning.py's
+    runs: importing Lightning took 1.6 s of CPU in each rank)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-    server = _preloaded_python()
+    server = _preloaded_python(preload)
     with tempfile.TemporaryDirectory(prefix="run_script-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         request = {"argv": list(args), "cwd": str(cwd or ROOT), "env": env, "stdout": str(out), "stderr": str(err)}
