@@ -33,9 +33,14 @@ def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RAN
     """Run the example; each rank's batches as it traced them (epoch, len, pos, id). Its output
     goes to TMP/NAME.out. Its ranks are forked from the preloaded Python with torchrun's
     environment, which Lightning takes as torchrun's launch (tests/preloaded.py); the example's
-    own launch, Lightning starting the other ranks, is tests/test_examples.py's."""
+    own launch, Lightning starting the other ranks, is tests/test_examples.py's. That Python has
+    Lightning imported too (1.6 s of CPU a rank otherwise; the rank its import reads from the
+    environment, the Trainer sets again as it is made, before it prints). The example's ResNet-18 is
+    a one-convolution net here (tests/helpers/small_model.py): the data's order is what is checked
+    (bench/results/2026-11-28-examples-tests.md)."""
     tmp.mkdir(parents=True, exist_ok=True)
     result = run_script(
+        str(ROOT / "tests" / "helpers" / "small_model.py"),
         str(ROOT / "examples" / "lightning_train.py"),
         str(index),
         "--accelerator=cpu",
@@ -50,6 +55,7 @@ def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RAN
         cwd=tmp,
         env={"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
         ranks=devices if devices > 1 else None,  # one device: a plain process, as before
+        preload=("pytorch_lightning",),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (tmp / f"{name}.out").write_text(result.stdout)
