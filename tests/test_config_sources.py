@@ -76,6 +76,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
         # decode=gpu is refused beside cross_shuffle and decode_downscale: it is handed over below
         "gpu_decoder": "torchvision",
         "gpu_decode_threads": 2,
+        "gpu_decode_share": 0.5,
         "warm_start": False,
         "read_late": False,
         "cache_dir": str(tmp_path / "cache"),

@@ -4,6 +4,7 @@ for sample, skip for skip, pixels within a grey level, and across a resume."""
 
 from __future__ import annotations
 
+import collections
 import io
 import random
 import subprocess
@@ -281,9 +282,41 @@ def test_three_decode_threads_give_the_cpu_paths_batches_and_add_up_their_counts
     assert_same_batches(cpu, gpu_)
     counts = loader.decode_counts
     assert counts["gpu"] + counts["cpu"] == sum(len(b["label"]) for b in gpu_) and counts["gpu"] > 0
-    assert "3 decode threads" in loader.decode_host["decoder"]
+    host = loader.decode_host
+    assert "3 decode threads" in host["decoder"] and host["batches"] > 0
+    assert 0 < host["decode_cpu_ms"] <= host["decode_ms"] + 0.5 and host["resize_ms"] > 0
     with pytest.raises(UserError, match=r"^gpu_decode_threads=0: 1 or more"):
         LoaderConfig(batch_size=4, decode="gpu", gpu_decode_threads=0)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_share_decoded_in_the_workers_gives_the_cpu_paths_batches_the_same_jpegs_each_run(tmp_path, on_cpu, train):
+    index = mixed_shards(tmp_path / "s")
+
+    def epoch(share: float, decode: str = "gpu", **kw) -> tuple[list[dict], collections.Counter]:
+        options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "train": train}
+        cfg = LoaderConfig(**options, decode=decode, gpu_decode_share=share, **kw)
+        loader = Loader(index, cfg, rank=0, world=1)
+        torch.manual_seed(0)
+        return list(loader), collections.Counter(loader.decode_counts or {})
+
+    cpu, _ = epoch(1.0, "cpu")
+    all_gpu, on_gpu = epoch(1.0)
+    half, split = epoch(0.5)
+    none, workers_only = epoch(0.0)
+    for batches_ in (all_gpu, half, none):
+        assert_same_batches(cpu, batches_)
+    images = sum(len(b["label"]) for b in cpu)
+    assert on_gpu["gpu"] + on_gpu["cpu"] == split["gpu"] + split["cpu"] == workers_only["cpu"] == images
+    # About half of what the GPU took goes to the workers; with none, nothing reaches the GPU
+    assert 0.25 * on_gpu["gpu"] <= split["gpu"] <= 0.75 * on_gpu["gpu"] and workers_only["gpu"] == 0
+    # The workers decode as the CPU path does: with no share on the GPU, the very same pixels
+    assert all(torch.equal(a["image"], b["image"]) for a, b in zip(cpu, none, strict=True))
+    # The same JPEGs go to the GPU in a second run
+    again, split_again = epoch(0.5)
+    assert split_again == split and all(torch.equal(a["image"], b["image"]) for a, b in zip(half, again, strict=True))
+    with pytest.raises(UserError, match=r"^gpu_decode_share=1.5: a share between 0 and 1"):
+        LoaderConfig(batch_size=4, decode="gpu", gpu_decode_share=1.5)
 
 
 def test_epochs_cut_to_nbatches_read_on_the_gpu_path_as_on_the_cpu_path(tmp_path, on_cpu):

@@ -92,3 +92,7 @@ def test_the_trainer_defaults_to_auto_and_says_the_number_and_why(sixteen_cores)
     )
     line = loader_line(LoaderConfig(batch_size=64, workers=1, decode="gpu"))
     assert line.startswith("loader: 1 worker per rank (trainer.workers); JPEGs decoded on the GPU")
+    line = loader_line(LoaderConfig(batch_size=64, workers=1, decode="gpu", gpu_decode_share=0.75), "nvJPEG")
+    assert line.endswith("by nvJPEG (loader.decode=gpu), 25% of them in the workers (loader.gpu_decode_share=0.75)"), (
+        line
+    )

@@ -171,13 +171,14 @@ class Loader:
     @property
     def decode_host(self) -> dict:
         """decode=gpu: which decoder makes the training images, and its host time per batch so
-        far, in ms, by phase (the decode call, the resize's launch, the hand-over); empty under
-        decode=cpu or before the first batch."""
+        far, in ms, by phase (the decode call, the resize's launch, the hand-over) and the decode
+        call's own CPU time (``decode_cpu_ms``: the rest of the call waited); empty under decode=cpu
+        or before the first batch."""
         decoder = self._inner.decoder if self._inner is not None else None
         if decoder is None or not decoder.host["batches"]:
             return {}
         n = decoder.host["batches"]
-        phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in ("decode", "resize", "hand_over")}
+        phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in ("decode", "decode_cpu", "resize", "hand_over")}
         return {"decoder": decoder.described, "batches": n, **phases}
 
     def taken(self, batch: dict | None = None) -> None:

@@ -160,6 +160,11 @@ class StreamOptions:
     its own decoder, stream and buffer. A decode call waits for the GPU's JPEG engines; with two
     or more, one batch's call overlaps the next one's. The batches come in the workers' order
     either way (delivery/gpubatches.py)."""
+    gpu_decode_share: float = 1.0
+    """decode=gpu: the share of the JPEGs the GPU decodes; the workers decode the others as on
+    the CPU path, and the batch joins both on the GPU. Below 1 where the GPU's decoder bounds a
+    fast model and the workers have time to spare. Which JPEGs: by a hash of the shard and key,
+    so a resumed run picks the same ones; the draws, samples and labels are the same either way."""
     warm_start: bool = True
     """The first batch: worker 0 decodes its crops on a thread per worker while the others wait
     (delivery/warmstart.py), so the first batch comes sooner."""
@@ -410,6 +415,7 @@ DECODE_RULES: tuple[Rule, ...] = (
     ("decode", lambda o: o.decode in DECODES, "cpu or gpu"),
     ("gpu_decoder", lambda o: o.gpu_decoder in GPU_DECODERS, "auto, nvimgcodec or torchvision"),
     ("gpu_decode_threads", lambda o: isinstance(o.gpu_decode_threads, int) and o.gpu_decode_threads >= 1, "1 or more"),
+    ("gpu_decode_share", lambda o: 0.0 <= o.gpu_decode_share <= 1.0, "a share between 0 and 1"),
     (
         "decode",
         lambda o: o.decode != "gpu" or o.cross_shuffle == 0,

@@ -124,7 +124,8 @@ class BatchDecoder:
     ``batch["image"]``, uint8 N x 3 x size x size, channels_last: the training crops (``train``)
     or evaluation's resize and centre crop. ``counts``: images decoded on the device, on the CPU
     (in a worker or here), and left out; ``host``: the seconds of host time by phase (the decode
-    call, the resize's launch, the hand-over) and the batches they cover."""
+    call, the resize's launch, the hand-over; ``decode_cpu``: the decode call's own CPU time, the
+    rest of it waited) and the batches they cover."""
 
     def __init__(self, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
         self.size, self.device, self.train = size, device, train
@@ -156,7 +157,7 @@ class BatchDecoder:
         if packed is None:  # every row made in its worker (no JPEG the GPU takes)
             self.counts["cpu"] += len(batch["image"])
             with self._side():
-                batch["image"] = batch["image"].to(self.device)
+                batch["image"] = batch["image"].to(self.device).contiguous(memory_format=torch.channels_last)
             return self._done(batch, [])
         with self._side():
             made, failed = self._make(packed)
@@ -206,13 +207,14 @@ class BatchDecoder:
     def _make(self, packed: dict) -> tuple[torch.Tensor, list[int]]:
         """The packed JPEGs decoded (one call), cropped, resized and flipped (two launches), in
         the order of ``packed["rows"]``; the batch rows that no decoder could make."""
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         datas = list(torch.split(packed["data"], packed["lengths"])) if packed["lengths"] else []
         boxes = packed["boxes"]
         regions = [tuple(box[:4]) if self.train else None for box in boxes]
         src, places = self.codec.decode(datas, regions)
         decoded = time.perf_counter()
         self.host["decode"] += decoded - began
+        self.host["decode_cpu"] += time.thread_time() - began_cpu  # the rest waited (the JPEG engines, the GIL)
         geometry = [self._geometry(box) for box in boxes]
         on_device = [i for i, place in enumerate(places) if place is not None]
         made = self.resize(src, [places[i] for i in on_device], [geometry[i] for i in on_device])
