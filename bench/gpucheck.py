@@ -73,6 +73,7 @@ class Sizes:
     budget_s: float  # parts not begun by then are skipped; runs are cut at it
     cpu_rows: bool = True  # (c), (d): the CPU decode rows beside the GPU's
     decode_threads: tuple[int, ...] = (1,)  # (c), (d): loader.gpu_decode_threads for GPU decode
+    decode_shares: tuple[float, ...] = (1.0,)  # (c), (d): loader.gpu_decode_share for GPU decode
 
 
 GPU = Sizes(
@@ -288,6 +289,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--decode-threads", nargs="+", type=int, help="(c), (d): loader.gpu_decode_threads for GPU decode (default: 1)"
     )
+    p.add_argument(
+        "--decode-shares",
+        nargs="+",
+        type=float,
+        help="(c), (d): loader.gpu_decode_share for GPU decode, the share the GPU decodes (default: 1)",
+    )
     return p.parse_args(argv)
 
 
@@ -302,6 +309,8 @@ def sized(args: argparse.Namespace) -> Sizes:
         sizes = replace(sizes, gpu_workers=tuple(args.gpu_workers))
     if args.decode_threads:
         sizes = replace(sizes, decode_threads=tuple(args.decode_threads))
+    if args.decode_shares:
+        sizes = replace(sizes, decode_shares=tuple(args.decode_shares))
     return sizes
 
 

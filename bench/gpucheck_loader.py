@@ -143,19 +143,18 @@ def loader_rate(index: str, config: Any, window_s: float, most_s: float, cuda: b
     return rate | {"batches": count[0], "warmup_s": first, "status": "ok"}
 
 
-def gpu_rows(sizes: Any) -> list[tuple[str, int, int]]:
-    """(c), (d): each GPU decode row's label, workers and decode threads."""
-    return [
-        (f"gpu/{d}" + (f" ({t} threads)" if t > 1 else ""), w, t)
-        for w in sizes.gpu_workers
-        for t in sizes.decode_threads
-        for d in sizes.gpu_decoders
-    ]
-
-
-def decoder_of(label: str) -> str:
-    """A GPU row's loader.gpu_decoder ("gpu/nvimgcodec (2 threads)": nvimgcodec)."""
-    return label.split("/")[1].split(" ")[0]
+def gpu_rows(sizes: Any) -> list[tuple[str, int, dict]]:
+    """(c), (d): each GPU decode row's label, workers and loader options."""
+    rows = []
+    for w in sizes.gpu_workers:
+        for t in sizes.decode_threads:
+            for share in sizes.decode_shares:
+                for d in sizes.gpu_decoders:
+                    how = [f"{t} threads"] * (t > 1) + [f"{share:.0%} on the GPU"] * (share < 1)
+                    label = f"gpu/{d}" + (f" ({', '.join(how)})" if how else "")
+                    options = {"decode": "gpu", "gpu_decoder": d, "gpu_decode_threads": t, "gpu_decode_share": share}
+                    rows.append((label, w, options))
+    return rows
 
 
 def loader_alone(check: Any, part: dict) -> None:
@@ -165,17 +164,15 @@ def loader_alone(check: Any, part: dict) -> None:
     sizes, cuda = check.sizes, not check.cpu
     index = index_of(check, "photos")
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
-    runs: list[tuple[str, int, int]] = [("cpu", w, 1) for w in sizes.loader_workers if sizes.cpu_rows]
+    runs: list[tuple[str, int, dict]] = [("cpu", w, {}) for w in sizes.loader_workers if sizes.cpu_rows]
     runs += gpu_rows(sizes)
-    for decode, workers, threads in runs:
+    for decode, workers, extra in runs:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)
         if decode != "cpu" and not cuda:
             row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
             continue
         try:
-            extra = {"decode": "gpu", "gpu_decoder": decoder_of(decode)} if decode != "cpu" else {}
-            extra |= {"gpu_decode_threads": threads} if decode != "cpu" else {}
             config = LoaderConfig(**common, **extra, workers=workers)
             row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
             state = "steady" if row["steady"] else f"not steady after {row['timed_s']} s"

@@ -80,7 +80,7 @@ def imagenet_table(part: dict) -> list[str]:
     after = part.get("steady_after", 0)
     header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
     header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "training process CPU per 256"]
-    header += ["host ms per batch: decode / resize / hand-over", "wall", "note"]
+    header += ["host ms per batch: decode (its CPU) / resize / hand-over", "wall", "note"]
     rows = [
         [
             r["model"],
@@ -103,7 +103,10 @@ def imagenet_table(part: dict) -> list[str]:
 
 
 def host_ms(h: dict | None) -> str:
-    return " / ".join(num(h[k], 2) for k in ("decode", "resize", "hand_over")) if h else "-"
+    if not h:
+        return "-"
+    decode = num(h["decode"], 2) + (f" ({num(h['decode_cpu'], 2)})" if "decode_cpu" in h else "")
+    return " / ".join([decode, *(num(h[k], 2) for k in ("resize", "hand_over"))])
 
 
 def probe_table(part: dict) -> list[str]:

@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW = re.compile(r"^step (\d+)(?:/\d+)? loss .*? (\d+(?:\.\d+)?) samples/s data-wait (\d+)%", re.MULTILINE)
 PLAN_WORKERS = re.compile(r"^plan: .* over \d+ ranks x (\d+) workers", re.MULTILINE)
 LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and why, where it decodes
-HOST_LINE = re.compile(r"host time per batch: decode ([\d.]+) ms, resize ([\d.]+) ms, hand-over ([\d.]+) ms")
+HOST_LINE = re.compile(
+    r"host time per batch: decode ([\d.]+) ms \(([\d.]+) ms of it on the CPU\), "
+    r"resize ([\d.]+) ms, hand-over ([\d.]+) ms"
+)
+HOST_PHASES = ("decode", "decode_cpu", "resize", "hand_over")
 
 
 # ---------------------------------------------------------------- reading a run
@@ -184,7 +188,7 @@ def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: 
     result["own_steps"] = watch.steps_between(after)
     host = HOST_LINE.search(log)
     if host:
-        result["host_ms"] = {k: float(v) for k, v in zip(("decode", "resize", "hand_over"), host.groups(), strict=True)}
+        result["host_ms"] = {k: float(v) for k, v in zip(HOST_PHASES, host.groups(), strict=True)}
     plan = PLAN_WORKERS.search(log)
     result["workers_used"] = int(plan.group(1)) if plan else None
     said = LOADER_LINE.search(log)
@@ -331,7 +335,7 @@ def resume(check: Any, part: dict) -> None:
 def imagenet_size(check: Any, part: dict) -> None:
     """(c): each model at the big image size, CPU decode at the trainer's worker default and GPU
     decode with few workers, beside the model's pure compute."""
-    from gpucheck_loader import decoder_of, gpu_rows  # bench/, beside this file
+    from gpucheck_loader import gpu_rows  # bench/, beside this file
 
     sizes = check.sizes
     index = check.work / "photos" / "photos.index.json"
@@ -344,18 +348,15 @@ def imagenet_size(check: Any, part: dict) -> None:
         common += [f"trainer.log_every={sizes.log_every}", *device]
         pure = pure_compute(common, sizes.device, sizes.compute_steps)
         check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
-        configs = [("cpu", sizes.cpu_workers, 1)] if sizes.cpu_rows else []
-        configs += [(label, str(w), t) for label, w, t in gpu_rows(sizes)]
-        for decode, workers, threads in configs:
+        configs = [("cpu", sizes.cpu_workers, {})] if sizes.cpu_rows else []
+        configs += [(label, str(w), options) for label, w, options in gpu_rows(sizes)]
+        for decode, workers, options in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
             part["rows"].append(row)
             if decode != "cpu" and check.cpu:
                 row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
                 continue
-            extra = [f"trainer.workers={workers}"]
-            if decode != "cpu":
-                extra += ["loader.decode=gpu", f"loader.gpu_decoder={decoder_of(decode)}"]
-                extra += [f"loader.gpu_decode_threads={threads}"]
+            extra = [f"trainer.workers={workers}"] + [f"loader.{k}={v}" for k, v in options.items()]
             name = f"c-{model}-{re.sub(r'[^a-z0-9]+', '-', decode)}-{workers}"
             result = train_py(check, name, common + extra, sizes.warmup)
             row |= run_row(result, sizes.warmup, sizes.batch)

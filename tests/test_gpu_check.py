@@ -193,6 +193,18 @@ def test_the_steady_rate_is_the_windows_after_the_warm_up_samples_over_their_tim
     assert train_parts.steady(lines, 60, 256)["steady_samples_per_s"] is None
 
 
+def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
+    from wdsdist.train.trainer import decode_line
+
+    host = {"decoder": "nvImageCodec 0.9", "decode_ms": 25.384, "decode_cpu_ms": 3.019, "resize_ms": 1.03}
+    line = decode_line({"gpu": 900, "cpu": 124, "failed": 0}, host | {"hand_over_ms": 0.154})
+    said = train_parts.HOST_LINE.search(f"step 60 ...\n{line}\ndone")
+    assert said
+    phases = dict(zip(train_parts.HOST_PHASES, map(float, said.groups()), strict=True))
+    assert phases == {"decode": 25.38, "decode_cpu": 3.02, "resize": 1.03, "hand_over": 0.15}
+    assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.15"
+
+
 def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
     results = {
         "command": "./run gpu-check",

@@ -352,6 +352,18 @@ def stopped(run: Run, step: int) -> NoReturn:
 # ---------------------------------------------------------------- the end
 
 
+def decode_line(decoded: dict, host: dict) -> str:
+    """loader.decode=gpu's last line: where rank 0's images were made, by which decoder, and the
+    host time per batch by phase (bench/gpucheck_train.py reads it)."""
+    return (
+        f"loader.decode=gpu on rank 0: {decoded['gpu']} images decoded on the GPU, {decoded['cpu']} on the "
+        f"CPU (in the workers, PNG, CMYK, or refused by the GPU's decoder), {decoded['failed']} left out (no "
+        f"decoder took them); {host.get('decoder', '')}; host time per batch: decode {host.get('decode_ms', 0):.2f} "
+        f"ms ({host.get('decode_cpu_ms', 0):.2f} ms of it on the CPU), resize {host.get('resize_ms', 0):.2f} ms, "
+        f"hand-over {host.get('hand_over_ms', 0):.2f} ms"
+    )
+
+
 def finish(run: Run, step: int) -> dict:
     """Every rank reports its step and weights (they must agree after DDP); rank 0 writes the
     summary and the hyperparameters, and says the run is done."""
@@ -362,13 +374,7 @@ def finish(run: Run, step: int) -> dict:
             run.report.line(f"warning: ranks disagree at the end (step, weights): {fingerprints}")
         decoded = run.feed.loader.decode_counts  # loader.decode=gpu: where rank 0's images were made
         if decoded:
-            host = run.feed.loader.decode_host
-            run.report.line(
-                f"loader.decode=gpu on rank 0: {decoded['gpu']} images decoded on the GPU, {decoded['cpu']} on the "
-                f"CPU (PNG, CMYK, or refused by the GPU's decoder), {decoded['failed']} left out (no decoder took "
-                f"them); {host.get('decoder', '')}; host time per batch: decode {host.get('decode_ms', 0):.2f} ms, "
-                f"resize {host.get('resize_ms', 0):.2f} ms, hand-over {host.get('hand_over_ms', 0):.2f} ms"
-            )
+            run.report.line(decode_line(decoded, run.feed.loader.decode_host))
         metrics = {"hparam/val_top1": summary["val_top1"] or 0.0, "hparam/val_loss": summary["val_loss"] or 0.0}
         run.report.hparams(hparams_of(run), metrics)
         write_text(os.path.join(run.run_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
