@@ -96,6 +96,10 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     gpu = compose_config(["loader.decode=gpu", "trainer.workers=2", "data.synthetic=null"])
     config.check(gpu)
     assert loader_config(gpu, CPU, 0).decode == "gpu"
+    auto = compose_config(["loader.decode=auto", "data.synthetic=null"])
+    config.check(auto)
+    chosen = loader_config(auto, CPU, 0)  # a run on the CPU: its batches are not pinned for a GPU
+    assert (chosen.decode, chosen.decode_why) == ("cpu", "auto: the batches stay on the CPU (pin_memory is off)")
 
 
 def test_the_node_order_and_the_ranks_per_node_reach_the_loader():

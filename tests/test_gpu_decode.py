@@ -220,7 +220,7 @@ def test_decode_gpu_without_cuda_stops_in_one_line(tmp_path):
 
 
 def test_options_decode_gpu_refuses_what_it_cannot_do():
-    with pytest.raises(UserError, match=r"^decode=tpu: cpu or gpu"):
+    with pytest.raises(UserError, match=r"^decode=tpu: cpu, gpu or auto"):
         LoaderConfig(batch_size=4, decode="tpu")
     with pytest.raises(UserError, match=r"^decode=gpu: gpu does not apply with loader.cross_shuffle"):
         LoaderConfig(batch_size=4, decode="gpu", cross_shuffle=10)

@@ -4,6 +4,8 @@ backend its region decode. Each is held to the CPU path's pixels."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -173,6 +175,34 @@ def test_with_the_extra_but_no_cuda_decode_gpu_stops_in_one_line_naming_it():
         gpu.device()
     line = str(caught.value)
     assert "\n" not in line and "torch sees no CUDA GPU" in line and codecs.NVIMGCODEC in line
+
+
+def test_decode_auto_takes_the_gpu_with_cuda_and_the_extra_else_the_cpu_and_says_why(monkeypatch):
+    from wdsdist.train.run import loader_line
+
+    def auto(**kw) -> LoaderConfig:
+        return LoaderConfig(batch_size=8, workers="auto", decode="auto", **kw)
+
+    # Here: no CUDA; and a loader whose batches stay on the CPU never decodes on a GPU
+    assert (auto(pin_memory=True).decode, auto(pin_memory=True).decode_why) == ("cpu", "auto: torch sees no CUDA GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto().decode == "cpu" and "pin_memory is off" in auto().decode_why
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.0.20")
+    chosen = auto(pin_memory=True)
+    assert (chosen.decode, chosen.decode_why) == ("gpu", "auto: a CUDA GPU and nvImageCodec 0.9.0.20, the [gpu] extra")
+    assert "decode=gpu: workers only read and draw" in chosen.workers_why  # workers=auto sized for it
+    assert loader_line(chosen, "nvImageCodec").endswith(
+        "by nvImageCodec (loader.decode=auto: a CUDA GPU and nvImageCodec 0.9.0.20, the [gpu] extra)"
+    )
+    assert auto(pin_memory=True, cross_shuffle=8).decode_why == "auto: loader.cross_shuffle needs the CPU path"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    left = auto(pin_memory=True)
+    assert (left.decode, left.decode_why) == ("cpu", f"auto: {codecs.NVIMGCODEC}, the [gpu] extra, is not installed")
+    assert "(loader.decode=auto: " in loader_line(left) and "on the CPU, in the workers" in loader_line(left)
 
 
 @pytest.mark.parametrize("engine", ["nvimgcodec", "torchvision"])

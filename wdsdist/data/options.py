@@ -48,7 +48,8 @@ class ShardOrder(StrEnum):
 
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
 MIXES = ("sample", "stratified")
-DECODES = ("cpu", "gpu")
+DECODES = ("cpu", "gpu", "auto")
+NVIMGCODEC = "nvidia-nvimgcodec-cu13"  # the [gpu] extra's decoder
 GPU_DECODERS = ("auto", "nvimgcodec", "torchvision")
 
 
@@ -150,7 +151,9 @@ class StreamOptions:
     """Where JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training process, on
     its GPU: the workers only read the bytes and draw the crops, so a GPU node needs few of them;
     decode/gpu.py). The same samples, draws and resume state either way. Evaluation decodes where
-    training does, so a model is evaluated on the pixels it trained on."""
+    training does, so a model is evaluated on the pixels it trained on. ``auto``: gpu where the
+    batches go to a CUDA GPU (pin_memory) and the [gpu] extra is installed, cpu elsewhere
+    (``decode_why`` says which and why)."""
     gpu_decoder: str = "auto"
     """decode=gpu's JPEG decoder: ``nvimgcodec`` (the ``[gpu]`` extra: crops decoded as regions,
     chroma upsampled as libjpeg-turbo does), ``torchvision`` (its nvJPEG decode: no extra, other
@@ -215,6 +218,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
 
     workers_why: str | None = field(default=None, init=False)
     """How ``workers="auto"`` was resolved, in words (None: the number was given)."""
+    decode_why: str | None = field(default=None, init=False)
+    """How ``decode="auto"`` was resolved, in words (None: it was given)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -223,6 +228,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
         self.split = Split(self.split) if self.split is not None else None
         self.remainder = Remainder(self.remainder)
         self.crop_scale = tuple(self.crop_scale)  # type: ignore[assignment]
+        if self.decode == AUTO:
+            self.decode, self.decode_why = auto_decode(self)
         problem = next(problems(self, LOADER_RULES), None)
         if problem is not None:
             raise UserError(problem)
@@ -412,7 +419,7 @@ STREAM_RULES: tuple[Rule, ...] = (
 )
 MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stratified"),)
 DECODE_RULES: tuple[Rule, ...] = (
-    ("decode", lambda o: o.decode in DECODES, "cpu or gpu"),
+    ("decode", lambda o: o.decode in DECODES, "cpu, gpu or auto"),
     ("gpu_decoder", lambda o: o.gpu_decoder in GPU_DECODERS, "auto, nvimgcodec or torchvision"),
     ("gpu_decode_threads", lambda o: isinstance(o.gpu_decode_threads, int) and o.gpu_decode_threads >= 1, "1 or more"),
     ("gpu_decode_share", lambda o: 0.0 <= o.gpu_decode_share <= 1.0, "a share between 0 and 1"),
@@ -430,6 +437,28 @@ DECODE_RULES: tuple[Rule, ...] = (
 STREAM_RULES += MIX_RULES + DECODE_RULES
 LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
+
+
+def auto_decode(o: LoaderConfig) -> tuple[str, str]:
+    """``decode="auto"``: gpu where the batches go to a CUDA GPU (``pin_memory``), torch sees one
+    and the [gpu] extra (nvImageCodec) is installed, and no other option needs the CPU path;
+    else cpu. And why, in words."""
+    import importlib.metadata
+
+    import torch
+
+    if not o.pin_memory:
+        return "cpu", "auto: the batches stay on the CPU (pin_memory is off)"
+    if not torch.cuda.is_available():
+        return "cpu", "auto: torch sees no CUDA GPU"
+    try:
+        version = importlib.metadata.version(NVIMGCODEC)
+    except importlib.metadata.PackageNotFoundError:
+        return "cpu", f"auto: {NVIMGCODEC}, the [gpu] extra, is not installed"
+    for name in ("cross_shuffle", "decode_downscale"):
+        if getattr(o, name):
+            return "cpu", f"auto: loader.{name} needs the CPU path"
+    return "gpu", f"auto: a CUDA GPU and nvImageCodec {version}, the [gpu] extra"
 
 
 def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterator[str]:

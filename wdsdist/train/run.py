@@ -114,7 +114,8 @@ def loader_line(cfg: LoaderConfig, gpu_decoder: str | None = None) -> str:
     share = cfg.gpu_decode_share if cfg.decode == "gpu" else 1.0
     rest = f", {1 - share:.0%} of them in the workers (loader.gpu_decode_share={share:g})" if share < 1 else ""
     workers = f"{cfg.workers} worker{'s' if cfg.workers != 1 else ''}"
-    return f"loader: {workers} per rank ({why}); JPEGs decoded {where} (loader.decode={cfg.decode}){rest}"
+    decode = f"loader.decode={cfg.decode}" if cfg.decode_why is None else f"loader.decode={cfg.decode_why}"
+    return f"loader: {workers} per rank ({why}); JPEGs decoded {where} ({decode}){rest}"
 
 
 def report_plan(run: Run) -> None:

@@ -30,13 +30,13 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from wdsdist.data.decode.resize import Place
+from wdsdist.data.options import NVIMGCODEC
 from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)
 
 Region = tuple[int, int, int, int]  # top, left, height, width
 ALIGN = 256  # each region's first byte, as cudaMalloc aligns
-NVIMGCODEC = "nvidia-nvimgcodec-cu13"
 # nvImageCodec releases whose region decode fails on the GPU (NVIDIA/nvImageCodec#55: a crash on
 # H100 and B200 in 0.9.0): the whole image is decoded there and the crop cut from it.
 REGIONS_BROKEN: tuple[str, ...] = ()
