@@ -141,6 +141,7 @@ CPU = Sizes(
     loader_most_s=0.3,
     compute_steps=1,
     budget_s=600.0,
+    decode_shares=(1.0, 0.5),  # (d) runs both on CPU tensors
 )
 
 

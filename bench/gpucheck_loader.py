@@ -157,11 +157,24 @@ def gpu_rows(sizes: Any) -> list[tuple[str, int, dict]]:
     return rows
 
 
+def on_cpu_tensors() -> None:
+    """The rehearsal's decode=gpu: its functions on CPU tensors (decode/gpu.py's device pointed at
+    the CPU), in this process only, for the rest of the rehearsal."""
+    import torch
+
+    from wdsdist.data.decode import gpu
+
+    gpu.device = lambda: torch.device("cpu")
+
+
 def loader_alone(check: Any, part: dict) -> None:
-    """(d): CPU decode by the number of workers, then GPU decode alone."""
+    """(d): CPU decode by the number of workers, then GPU decode alone (the rehearsal: on CPU
+    tensors, every row's options run, its rate no GPU's)."""
     from wdsdist.data import LoaderConfig
 
     sizes, cuda = check.sizes, not check.cpu
+    if check.cpu:
+        on_cpu_tensors()
     index = index_of(check, "photos")
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
     runs: list[tuple[str, int, dict]] = [("cpu", w, {}) for w in sizes.loader_workers if sizes.cpu_rows]
@@ -170,8 +183,7 @@ def loader_alone(check: Any, part: dict) -> None:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)
         if decode != "cpu" and not cuda:
-            row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
-            continue
+            row["note"] = "rehearsal: decode=gpu's functions on CPU tensors"
         try:
             config = LoaderConfig(**common, **extra, workers=workers)
             row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
@@ -240,10 +252,8 @@ def pixels(check: Any, part: dict) -> None:
     """(e): GPU decode against CPU decode, on the photo-like and the noise set. The rehearsal
     runs decode=gpu's functions on CPU tensors instead (its device pointed at the CPU), which
     runs every step of the comparison."""
-    import torch
 
     from wdsdist.data import LoaderConfig
-    from wdsdist.data.decode import gpu
 
     sizes = check.sizes
     batch = min(PIXEL_BATCH, sizes.pixel_images)  # the rehearsal's sets are smaller than a batch
@@ -251,7 +261,7 @@ def pixels(check: Any, part: dict) -> None:
     common |= {"with_keys": True, "seed": 0}
     part["compared"] = "CPU decode (libjpeg-turbo, region) against each GPU decoder, the same draws"
     if check.cpu:
-        gpu.device = lambda: torch.device("cpu")  # this process only: the rehearsal's last parts
+        on_cpu_tensors()
         part["compared"] = "rehearsal: CPU decode against decode=gpu's functions on CPU tensors"
     for decoder in sizes.gpu_decoders:
         pair = (LoaderConfig(**common), LoaderConfig(**common, decode="gpu", gpu_decoder=decoder))

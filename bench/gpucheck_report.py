@@ -23,7 +23,9 @@ def seconds(value: float | None) -> str:
 
 
 def note(row: dict) -> str:
-    return "" if row.get("status", "ok") == "ok" else f"{row['status']}: {row.get('error') or ''}".replace("|", "/")
+    """A row's note: its error where it did not run as asked, else what it says of itself."""
+    said = row.get("note", "") if row.get("status", "ok") == "ok" else f"{row['status']}: {row.get('error') or ''}"
+    return said.replace("|", "/")
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:

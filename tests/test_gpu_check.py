@@ -54,20 +54,17 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     assert a["status"] == "ok" and a["steady_samples_per_s"] > 0 and a["pure_compute"] > 0 and a["val_top1"] is not None
     assert parts["b"]["resumed"] is True and [r["steps"] for r in parts["b"]["rows"]] == [2, 4]
     c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
-    gpus = [("gpu/torchvision", "2"), ("gpu/nvimgcodec", "2")]
+    labels = [f"gpu/{d}{s}" for s in ("", " (50% on the GPU)") for d in ("torchvision", "nvimgcodec")]
+    gpus = [(label, "2") for label in labels]
     assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), *gpus])
     for (_, decode, _), row in c.items():
         if decode == "cpu":
             assert row["status"] == "ok" and row["steady_samples_per_s"] > 0 and row["workers_used"] == 1
         else:
             assert row["status"] == "skipped" and "CUDA" in row["error"]
-    d = [(r["decode"], r["workers"], r["status"]) for r in parts["d"]["rows"]]
-    assert d == [
-        ("cpu", 1, "ok"),
-        ("cpu", 2, "ok"),
-        ("gpu/torchvision", 2, "skipped"),
-        ("gpu/nvimgcodec", 2, "skipped"),
-    ]
+    # (d) runs decode=gpu's rows on CPU tensors: each row's options reach the loader
+    d = [(r["decode"], r["workers"], r["status"], r["batches"] > 0) for r in parts["d"]["rows"]]
+    assert d == [("cpu", 1, "ok", True), ("cpu", 2, "ok", True), *((label, 2, "ok", True) for label in labels)]
     # The rehearsal runs decode=gpu's functions on CPU tensors: the same samples, the pixels
     # within the check's bound (the float resize against the CPU path's integer weights).
     e = {(r["set"], r["decoder"]): r for r in parts["e"]["rows"]}
