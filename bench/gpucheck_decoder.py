@@ -21,7 +21,7 @@ IMAGES = 64
 TIMED = 256  # the timed batch: ImageNet-size photos, RandomResizedCrop's regions
 FANCY, GPU_HUFFMAN = ":fancy_upsampling=1", " nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"
 HW, CUDA = "HW_GPU_ONLY", "GPU_ONLY"
-SETTINGS = [  # name, backends, options, regions (the second: decode=gpu's default, codecs.py)
+SETTINGS = [  # name, backends, options, regions[, host threads] (the second: decode=gpu's default, codecs.py)
     ("hw+cuda regions", (HW, CUDA), FANCY, True),
     ("hw+cuda regions gpu-huffman", (HW, CUDA), FANCY + GPU_HUFFMAN, True),
     ("hw regions", (HW,), FANCY, True),
@@ -35,7 +35,10 @@ SETTINGS = [  # name, backends, options, regions (the second: decode=gpu's defau
     ("hw 3/4 + cuda regions gpu-huffman", (f"{HW}:0.75", CUDA), FANCY + GPU_HUFFMAN, True),
     ("hw 1/2 + cuda regions gpu-huffman", (f"{HW}:0.5", CUDA), FANCY + GPU_HUFFMAN, True),
     ("hw 3/4 + cuda whole gpu-huffman", (f"{HW}:0.75", CUDA), FANCY + GPU_HUFFMAN, False),
+    ("hw+cuda regions gpu-huffman, 2 host threads", (HW, CUDA), FANCY + GPU_HUFFMAN, True, 2),
+    ("hw+cuda regions gpu-huffman, 4 host threads", (HW, CUDA), FANCY + GPU_HUFFMAN, True, 4),
 ]
+AT_ONCE = 2  # decode=gpu's default setting in as many threads, each a decoder and stream of its own
 
 
 def install(kit: Path, release: Path) -> Path:
@@ -190,9 +193,10 @@ def measure(mode: str) -> dict:
 
 
 def timing() -> list[dict]:
-    """Each of SETTINGS on one batch of TIMED photos: the decode call's host time and its time
-    until the stream is done (median of 8 after 2 untimed), the images its first decoder refused,
-    and the pixels against libjpeg-turbo's."""
+    """Each of SETTINGS on one batch of TIMED photos: the decode call's host time, the CPU time
+    the process spent in it (every thread's), its time until the stream is done (median of 8
+    after 2 untimed), the images its first decoder refused, and the pixels against
+    libjpeg-turbo's. Then decode=gpu's default in AT_ONCE threads at once (gpu_decode_threads)."""
     import torch
     from gpucheck_loader import photo_sample
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -209,15 +213,63 @@ def timing() -> list[dict]:
     regions = [RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3)) for image in turbo]
     wants = [image[:, t : t + h, le : le + w].to(device) for image, (t, le, h, w) in zip(turbo, regions, strict=True)]
     rows = []
-    for name, backends, options, use_regions in SETTINGS if stream is not None else SETTINGS[:1]:
+    for name, backends, options, use_regions, *threads in SETTINGS if stream is not None else SETTINGS[:1]:
         row: dict = {"setting": name, "backends": list(backends), "options": options, "regions": use_regions}
         rows.append(row)
         try:
-            row |= _time_one(NvImageCodec(device, stream, use_regions, backends, options), tensors, regions, wants)
+            codec = NvImageCodec(device, stream, use_regions, backends, options, *threads)
+            row |= _time_one(codec, tensors, regions, wants)
         except Exception as exc:  # noqa: BLE001 (a setting that fails is reported; the others still run)
             row |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    row = {"setting": f"decode=gpu's default, {AT_ONCE} decoders at once", "images": AT_ONCE * TIMED}
+    rows.append(row)
+    try:
+        row |= _time_at_once(device, tensors, regions)
+    except Exception as exc:  # noqa: BLE001 (reported; the rows above stand)
+        row |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     rows.append({"setting": "nvjpeg loaded", "ok": False, "error": _mapped("libnvjpeg")})
     return rows
+
+
+def _time_at_once(device, tensors, regions) -> dict:
+    """AT_ONCE decoders (decode=gpu's default setting), each on a thread, stream and buffer of its
+    own, decoding the batch at the same time, as loader.gpu_decode_threads runs them: the time
+    until all are done, and the process's CPU time meanwhile (median of 8 rounds after 2)."""
+    import threading
+    import time
+
+    import torch
+
+    from wdsdist.data.decode.codecs import NvImageCodec
+
+    cuda = device.type == "cuda"
+    codecs_ = [NvImageCodec(device, torch.cuda.Stream(device) if cuda else None) for _ in range(AT_ONCE)]
+    walls, cpus, refused = [], [], []
+
+    def run(codec, out: list) -> None:
+        if cuda:
+            torch.cuda.set_device(device)
+        _, places = codec.decode(tensors, regions)
+        if codec.stream is not None:
+            codec.stream.synchronize()
+        out.append(sum(p is None for p in places))
+
+    for _ in range(10):
+        threads = [threading.Thread(target=run, args=(c, refused)) for c in codecs_]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        walls.append((time.perf_counter() - t0) * 1e3), cpus.append((time.process_time() - c0) * 1e3)
+    return {
+        "ok": len(refused) == 10 * AT_ONCE and not any(refused),
+        "refused": sum(refused[-AT_ONCE:]),
+        "first_refused": sum(refused[:AT_ONCE]),
+        "wall_ms": sorted(walls[2:])[4],
+        "cpu_ms": sorted(cpus[2:])[4],
+        "name": codecs_[0].name,
+    }
 
 
 def _time_one(codec, tensors, regions, wants) -> dict:
@@ -234,15 +286,15 @@ def _time_one(codec, tensors, regions, wants) -> dict:
         plain(parents, regions_, places, out)
 
     codec._whole_for_refused = counted
-    host, wall = [], []
+    host, wall, cpu = [], [], []
     for _ in range(10):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.cuda.stream(codec.stream) if codec.stream is not None else contextlib.nullcontext():
             src, places = codec.decode(tensors, regions)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if codec.stream is not None:
             codec.stream.synchronize()
-        host.append((t1 - t0) * 1e3), wall.append((time.perf_counter() - t0) * 1e3)
+        host.append((t1 - t0) * 1e3), wall.append((time.perf_counter() - t0) * 1e3), cpu.append((c1 - c0) * 1e3)
     diffs = []
     for want, place in zip(wants, places, strict=True):
         if place is not None:
@@ -255,7 +307,9 @@ def _time_one(codec, tensors, regions, wants) -> dict:
         "ok": refused == 0,
         "refused": refused,
         "first_refused": first[-1] if first else 0,
+        "images": len(tensors),
         "host_ms": sorted(host[2:])[4],
+        "cpu_ms": sorted(cpu[2:])[4],
         "wall_ms": sorted(wall[2:])[4],
         "p99_9": float(torch.quantile(every[: 1 << 24], 0.999)),
         "max": int(every.max()),

@@ -202,6 +202,22 @@ def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
     assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.15"
 
 
+def test_the_probe_times_a_setting_and_two_decoders_at_once_with_the_cpu_they_took(monkeypatch):
+    pytest.importorskip("nvidia.nvimgcodec")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # it imports its neighbours by name
+    decoder = load("gpucheck_decoder")
+    monkeypatch.setattr(decoder, "TIMED", 12)
+    # Without CUDA: nvImageCodec's CPU backend, the first setting and the decoders at once
+    first, at_once, loaded = decoder.timing()
+    assert first["setting"] == decoder.SETTINGS[0][0] and first["ok"] and first["p99_9"] <= 2
+    assert at_once["ok"] and at_once["images"] == decoder.AT_ONCE * 12 and at_once["refused"] == 0
+    assert all(r["cpu_ms"] > 0 and r["wall_ms"] > 0 for r in (first, at_once))
+    assert loaded["setting"] == "nvjpeg loaded"
+    lines = report.timing_table({"timing": [first | {"mode": "timing"}, at_once | {"mode": "timing"}]})
+    per_s = [line.split(" | ")[6] for line in lines[-2:]]
+    assert per_s == [report.num(1000 * n / r["wall_ms"]) for n, r in ((12, first), (24, at_once))]
+
+
 def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
     results = {
         "command": "./run gpu-check",

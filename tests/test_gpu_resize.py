@@ -266,16 +266,27 @@ def test_the_environment_tunes_nvimagecodec_and_a_wrong_backend_is_one_line():
         "WDSDIST_NVIMGCODEC_BACKENDS": "HW_GPU_ONLY:0.75, GPU_ONLY",
         "WDSDIST_NVIMGCODEC_OPTIONS": ":fancy_upsampling=1",
         "WDSDIST_NVIMGCODEC_REGIONS": "0",
+        "WDSDIST_NVIMGCODEC_CPU_THREADS": "2",
     }
     assert codecs.tuning(env) == {
         "backends": ("HW_GPU_ONLY:0.75", "GPU_ONLY"),
         "options": ":fancy_upsampling=1",
         "regions": False,
+        "cpu_threads": 2,
     }
     assert codecs.tuning({}) == {}
+    with pytest.raises(UserError, match=r"^WDSDIST_NVIMGCODEC_CPU_THREADS='two': a number of threads"):
+        codecs.tuning({"WDSDIST_NVIMGCODEC_CPU_THREADS": "two"})
     if not HAVE_NVIMGCODEC:
         return
     import nvidia.nvimgcodec as nv
+
+    # The CPU backend with two host threads decodes as libjpeg-turbo does
+    data = torch.frombuffer(bytearray(encode(90, 70, 5)), dtype=torch.uint8)
+    codec = codecs.NvImageCodec(torch.device("cpu"), None, cpu_threads=2)
+    src, [place] = codec.decode([data], [(4, 6, 30, 40)])
+    want = decode_jpeg(data, mode=ImageReadMode.RGB)[:, 4:34, 6:46].permute(1, 2, 0)
+    assert place is not None and torch.equal(codec.arena.view(place), want)
 
     assert codecs._backend(nv, "v", "HW_GPU_ONLY:0.75").load_hint == pytest.approx(0.75)
     wrong = [("HW:1", "has no backend 'HW'; it has CPU_ONLY"), ("GPU_ONLY:half", "'half' is not a share")]

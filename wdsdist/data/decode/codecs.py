@@ -119,7 +119,8 @@ def nvimgcodec_version() -> str | None:
 
 class NvImageCodec:
     """nvImageCodec's decoder on ``device`` (CUDA; on the CPU its CPU backend, which is how the
-    suite runs this path), writing on ``stream``."""
+    suite runs this path), writing on ``stream``; ``cpu_threads``: its host threads (0: one per
+    core, nvImageCodec's default)."""
 
     def __init__(
         self,
@@ -128,6 +129,7 @@ class NvImageCodec:
         regions: bool | None = None,
         backends: Sequence[str] = BACKENDS,
         options: str = OPTIONS,
+        cpu_threads: int = 0,
     ):
         # Its warnings go to stderr, one line per image it hands back to us (which we decode
         # another way and count): errors only, unless the user asked for more.
@@ -147,7 +149,9 @@ class NvImageCodec:
                 getattr(nv, "NVIMGCODEC_DEVICE_CPU_ONLY", -99999),
             )
         with _stderr_to_log():  # it loads its extensions here, and says on stderr which libraries it lacks
-            self.decoder = nv.Decoder(device_id=device_id, backends=backends, options=options)
+            self.decoder = nv.Decoder(
+                device_id=device_id, max_num_cpu_threads=cpu_threads, backends=backends, options=options
+            )
         self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False)
         self.arena = Arena(device)
         self.name = f"nvImageCodec {self.version}" + (
@@ -338,7 +342,8 @@ def tuning(env: dict | None = None) -> dict:
     """nvImageCodec's settings as the environment overrides them, to try another on a GPU
     (gpu-check's probe times several): WDSDIST_NVIMGCODEC_BACKENDS (comma-separated
     ``KIND[:share]``, tried in order), WDSDIST_NVIMGCODEC_OPTIONS (its decoder options, as
-    nvImageCodec reads them), WDSDIST_NVIMGCODEC_REGIONS (0: decode whole images, cut the crops)."""
+    nvImageCodec reads them), WDSDIST_NVIMGCODEC_REGIONS (0: decode whole images, cut the crops),
+    WDSDIST_NVIMGCODEC_CPU_THREADS (its host threads; 0, the default: one per core)."""
     env = os.environ if env is None else env
     out: dict = {}
     if env.get("WDSDIST_NVIMGCODEC_BACKENDS"):
@@ -347,4 +352,9 @@ def tuning(env: dict | None = None) -> dict:
         out["options"] = env["WDSDIST_NVIMGCODEC_OPTIONS"]
     if env.get("WDSDIST_NVIMGCODEC_REGIONS", "") in ("0", "1"):
         out["regions"] = env["WDSDIST_NVIMGCODEC_REGIONS"] == "1"
+    threads = env.get("WDSDIST_NVIMGCODEC_CPU_THREADS", "").strip()
+    if threads:
+        if not threads.isdigit():
+            raise UserError(f"WDSDIST_NVIMGCODEC_CPU_THREADS={threads!r}: a number of threads, 0 for one per core")
+        out["cpu_threads"] = int(threads)
     return out
