@@ -34,6 +34,15 @@ def test_a_gpu_run_gets_its_share_less_one_a_cpu_run_half_gpu_decode_two(sixteen
     )
     assert auto_workers(gpu=False, gpu_decode=False)[0] == 8
     assert auto_workers(gpu=True, gpu_decode=True)[0] == 2
+    # decode=gpu with a quarter of the JPEGs left to the workers: 2, and a quarter of 15 cores
+    assert auto_workers(gpu=True, gpu_decode=True, cpu_share=0.25) == (
+        6,
+        "auto: 16 cores this process may use; decode=gpu: 2 to read and draw, and 4 for the 25% of the JPEGs "
+        "they decode (25% of the 15 cores CPU decode would take)",
+    )
+    assert auto_workers(gpu=True, gpu_decode=True, cpu_share=1.0)[0] == 15  # never past CPU decode's number
+    cfg = LoaderConfig(batch_size=8, workers="auto", decode="gpu", gpu_decode_share=0.75)
+    assert cfg.workers == 6 and "4 for the 25% of the JPEGs" in cfg.workers_why
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the node's 16 cores
     workers, why = auto_workers(gpu=True, gpu_decode=False)
     assert (

@@ -6,7 +6,9 @@ The cores this process may run on (its CPU affinity: a container's or Slurm's cg
   - on a GPU run (batches go to a GPU: ``pin_memory``), all but one core: the training process
     needs one to launch the GPU's work, and every other core decodes;
   - with ``decode="gpu"`` at most two: workers only read bytes and draw crops, which one or two
-    keep ahead of the GPU; more would only take memory (decode/gpu.py);
+    keep ahead of the GPU; more would only take memory (decode/gpu.py). Where the workers decode
+    a share of the JPEGs themselves (``gpu_decode_share`` below 1), that share of the cores a GPU
+    run's CPU decode would take, on top;
   - on a CPU run half: the model's own compute runs on the same cores, in the training
     process's threads, and a worker that takes a core from it slows every step.
 At least one always. An explicit number is taken as given.
@@ -14,6 +16,7 @@ At least one always. An explicit number is taken as given.
 
 from __future__ import annotations
 
+import math
 import os
 
 AUTO = "auto"
@@ -39,12 +42,20 @@ def ranks_on_node(node_ranks: int) -> int:
         return 1
 
 
-def auto_workers(*, gpu: bool, gpu_decode: bool, node_ranks: int = 1) -> tuple[int, str]:
-    """The workers for ``workers="auto"`` and why, in words for a start-up line."""
+def auto_workers(*, gpu: bool, gpu_decode: bool, node_ranks: int = 1, cpu_share: float = 0.0) -> tuple[int, str]:
+    """The workers for ``workers="auto"`` and why, in words for a start-up line; ``cpu_share``:
+    under decode=gpu, the share of the JPEGs the workers decode themselves."""
     n, ranks = cores(), ranks_on_node(node_ranks)
     share = max(1, n // ranks)
     mine = f"{n} cores this process may use" + (f" shared by {ranks} ranks on this node" if ranks > 1 else "")
-    if gpu_decode:
+    if gpu_decode and cpu_share > 0:
+        decoding = math.ceil((share - 1) * cpu_share)
+        workers = max(1, min(share - 1, GPU_DECODE_WORKERS + decoding))
+        why = (
+            f"{mine}; decode=gpu: {GPU_DECODE_WORKERS} to read and draw, and {decoding} for the {cpu_share:.0%} "
+            f"of the JPEGs they decode ({cpu_share:.0%} of the {share - 1} cores CPU decode would take)"
+        )
+    elif gpu_decode:
         workers = max(1, min(GPU_DECODE_WORKERS, share - 1))
         why = f"{mine}; decode=gpu: workers only read and draw, {GPU_DECODE_WORKERS} at most"
     elif gpu:

@@ -239,7 +239,10 @@ class LoaderConfig(SampleOptions, StreamOptions):
         if self.workers == AUTO:
             gpu_decode = self.decode == "gpu"
             self.workers, self.workers_why = auto_workers(
-                gpu=self.pin_memory or gpu_decode, gpu_decode=gpu_decode, node_ranks=self.node_ranks
+                gpu=self.pin_memory or gpu_decode,
+                gpu_decode=gpu_decode,
+                node_ranks=self.node_ranks,
+                cpu_share=1 - self.gpu_decode_share if gpu_decode else 0.0,
             )
 
     @classmethod
