@@ -63,7 +63,7 @@ class Sizes:
     log_every: int  # (c)
     models: tuple[str, ...]
     cpu_workers: str  # (c): trainer.workers for CPU decode
-    gpu_workers: tuple[int, ...]  # (c): trainer.workers for GPU decode
+    gpu_workers: tuple[int | str, ...]  # (c), (d): trainer.workers for GPU decode (a number or "auto")
     gpu_decoders: tuple[str, ...]  # (c), (d), (e): loader.gpu_decoder values
     accuracy_seeds: tuple[int, ...]  # (f)
     loader_workers: tuple[int, ...]  # (d): CPU decode
@@ -286,7 +286,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["cpu", "torchvision", "nvimgcodec"],
         help="(c), (d), (e): these decoders' rows only (default: all three)",
     )
-    p.add_argument("--gpu-workers", nargs="+", type=int, help="(c), (d): trainer.workers for GPU decode (default: 2)")
+    p.add_argument(
+        "--gpu-workers",
+        nargs="+",
+        type=workers_arg,
+        help="(c), (d): trainer.workers for GPU decode, numbers or auto (default: 2)",
+    )
     p.add_argument(
         "--decode-threads", nargs="+", type=int, help="(c), (d): loader.gpu_decode_threads for GPU decode (default: 1)"
     )
@@ -297,6 +302,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="(c), (d): loader.gpu_decode_share for GPU decode, the share the GPU decodes (default: 1)",
     )
     return p.parse_args(argv)
+
+
+def workers_arg(value: str) -> int | str:
+    """--gpu-workers: a number of workers, or auto (the loader sizes them: decode=gpu's two, and
+    more for the share they decode)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of workers or auto") from None
 
 
 def sized(args: argparse.Namespace) -> Sizes:

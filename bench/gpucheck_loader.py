@@ -186,6 +186,7 @@ def loader_alone(check: Any, part: dict) -> None:
             row["note"] = "rehearsal: decode=gpu's functions on CPU tensors"
         try:
             config = LoaderConfig(**common, **extra, workers=workers)
+            row["workers_used"] = config.workers  # workers=auto: the number it came to
             row |= loader_rate(index, config, sizes.loader_window_s, sizes.loader_most_s, cuda)
             state = "steady" if row["steady"] else f"not steady after {row['timed_s']} s"
             check.say(f"  {decode} decode, {workers} workers: {row['samples_per_s']:.0f} samples/s ({state})")

@@ -87,8 +87,7 @@ def imagenet_table(part: dict) -> list[str]:
         [
             r["model"],
             r["decode"],
-            f"{r['workers']}"
-            + (f" ({r['workers_used']})" if r.get("workers_used") not in (None, r["workers"]) else ""),
+            workers(r),
             num(r.get("steady_samples_per_s")),
             num(r.get("pure_compute")),
             times(r.get("of_pure")),
@@ -102,6 +101,12 @@ def imagenet_table(part: dict) -> list[str]:
         for r in part["rows"]
     ]
     return table(header, rows)
+
+
+def workers(r: dict) -> str:
+    """The workers asked for, and in brackets the number the run came to where that differs (auto)."""
+    used = r.get("workers_used")
+    return f"{r['workers']}" + (f" ({used})" if used is not None and str(used) != str(r["workers"]) else "")
 
 
 def host_ms(h: dict | None) -> str:
@@ -156,7 +161,7 @@ def loader_table(part: dict) -> list[str]:
     rows = [
         [
             r["decode"],
-            str(r["workers"]),
+            workers(r),
             num(r.get("samples_per_s")),
             num(r.get("batches")),
             seconds(r.get("timed_s")) + ("" if r.get("steady", True) else " (not steady)"),
