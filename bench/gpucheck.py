@@ -298,10 +298,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--decode-shares",
         nargs="+",
-        type=float,
+        type=share_arg,
         help="(c), (d): loader.gpu_decode_share for GPU decode, the share the GPU decodes (default: 1)",
     )
+    p.add_argument("--models", nargs="+", help="(c): these models only (default: resnet50 resnet18)")
     return p.parse_args(argv)
+
+
+def share_arg(value: str) -> float:
+    """--decode-shares: a share between 0 and 1."""
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a share between 0 and 1")
+    return share
 
 
 def workers_arg(value: str) -> int | str:
@@ -316,8 +328,8 @@ def workers_arg(value: str) -> int | str:
 
 
 def sized(args: argparse.Namespace) -> Sizes:
-    """The sizes for this machine, less the rows --decoders leaves out, with the GPU rows'
-    workers and decode threads as asked."""
+    """The sizes for this machine, less the rows --decoders and --models leave out, with the GPU
+    rows' workers, decode threads and shares as asked."""
     sizes = CPU if args.cpu else GPU
     if args.decoders:
         gpu = tuple(d for d in args.decoders if d != "cpu")
@@ -328,6 +340,8 @@ def sized(args: argparse.Namespace) -> Sizes:
         sizes = replace(sizes, decode_threads=tuple(args.decode_threads))
     if args.decode_shares:
         sizes = replace(sizes, decode_shares=tuple(args.decode_shares))
+    if args.models:
+        sizes = replace(sizes, models=tuple(args.models))
     return sizes
 
 

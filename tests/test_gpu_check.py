@@ -256,6 +256,26 @@ def test_a_rehearsals_report_goes_under_outputs_and_a_gpus_among_the_dated_repor
     assert check.report_folder(check.parse_args(["--cpu", "--out", str(tmp_path)])) == tmp_path
 
 
+def test_the_rows_asked_for_on_the_command_line_and_a_wrong_one_refused_at_once(capsys):
+    check = load("gpucheck")
+    args = ["--models", "resnet18", "--decoders", "nvimgcodec", "--gpu-workers", "2", "auto"]
+    sizes = check.sized(check.parse_args([*args, "--decode-threads", "1", "2", "--decode-shares", "1", "0.75"]))
+    assert (sizes.models, sizes.gpu_decoders, sizes.cpu_rows) == (("resnet18",), ("nvimgcodec",), False)
+    rows = load("gpucheck_loader").gpu_rows(sizes)
+    assert len(rows) == 8 and rows[-1] == (
+        "gpu/nvimgcodec (2 threads, 75% on the GPU)",
+        "auto",
+        {"decode": "gpu", "gpu_decoder": "nvimgcodec", "gpu_decode_threads": 2, "gpu_decode_share": 0.75},
+    )
+    for wrong, said in (
+        (["--decode-shares", "1.5"], "'1.5': a share between 0 and 1"),
+        (["--gpu-workers", "x"], "'x'"),
+    ):
+        with pytest.raises(SystemExit):
+            check.parse_args(wrong)
+        assert said in capsys.readouterr().err
+
+
 def test_part_d_times_a_row_until_its_rate_is_steady():
     loader = load("gpucheck_loader")
     now = [0.0]
