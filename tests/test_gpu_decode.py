@@ -289,12 +289,15 @@ def test_three_decode_threads_give_the_cpu_paths_batches_and_add_up_their_counts
         LoaderConfig(batch_size=4, decode="gpu", gpu_decode_threads=0)
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_a_share_decoded_in_the_workers_gives_the_cpu_paths_batches_the_same_jpegs_each_run(tmp_path, on_cpu, train):
+@pytest.mark.parametrize("train, region", [(True, True), (True, False), (False, True)])
+def test_a_share_decoded_in_the_workers_gives_the_cpu_paths_batches_the_same_jpegs_each_run(
+    tmp_path, on_cpu, train, region
+):
     index = mixed_shards(tmp_path / "s")
 
     def epoch(share: float, decode: str = "gpu", **kw) -> tuple[list[dict], collections.Counter]:
         options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "train": train}
+        options["decode_region"] = region  # off: the workers crop from torchvision's whole decode
         cfg = LoaderConfig(**options, decode=decode, gpu_decode_share=share, **kw)
         loader = Loader(index, cfg, rank=0, world=1)
         torch.manual_seed(0)
