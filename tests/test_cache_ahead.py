@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import http.server
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,12 @@ from tests.helpers.loading import cfg
 from tests.helpers.servers import http_server
 from wdsdist.data import Loader
 from wdsdist.data.delivery import stream
+from wdsdist.data.sources import ahead as ahead_module
 from wdsdist.data.sources import cache
+from wdsdist.data.sources.access import Access
+from wdsdist.data.sources.ahead import ReadAhead
 
-WAIT = 5  # seconds an event is waited for before the test fails (never a pause)
+WAIT = 30  # seconds an event is waited for before the test fails (never a pause): the suite may load 2 cores heavily
 
 
 class Store(http.server.BaseHTTPRequestHandler):
@@ -250,3 +254,80 @@ def test_a_loader_left_mid_epoch_leaves_no_read_ahead_running(tmp_path, store):
     gc.collect()  # the stream's generators are closed, and with them the read-ahead
     assert not ahead_threads()
     assert not [p for p in (tmp_path / "cache").iterdir() if ".part-" in p.name]
+
+
+def test_a_pin_that_comes_after_its_shard_was_opened_is_let_go_at_once(tmp_path, monkeypatch):
+    """Read-ahead's fetch of a shard can end after the worker has opened that shard (the worker
+    waited for the download): the pin must not outlive the open, or the entry stays unevictable
+    and, in a tight cache, read-ahead finds no room for the shards after it."""
+    worker_opened = {"b": threading.Event()}
+    fetched: dict[str, Pin] = {}
+
+    class Pin:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def fetch(url, access, stop, span):
+        if url in worker_opened:
+            assert worker_opened[url].wait(WAIT)  # the worker opens it meanwhile
+        fetched[url] = Pin()
+        return fetched[url]
+
+    monkeypatch.setattr(ahead_module, "fetch_ahead", fetch)
+    monkeypatch.setattr(ahead_module.cache, "cacheable", lambda url: True)
+    plan = ReadAhead(["a", "b", "c"], lambda url: (url, None), Access(cache_dir=str(tmp_path)), depth=1)
+    items = iter(plan)
+    assert next(items) == "a"
+    plan.opened()  # read-ahead starts on b, whose download ends only after the worker opened b
+    assert next(items) == "b"
+    plan.opened()
+    worker_opened["b"].set()
+    assert until(lambda: "c" in fetched)  # c is planned after b's open, so b's fetch is over
+    with plan.cond:
+        assert fetched["b"].closed and 1 not in plan.pins
+    plan.close()
+    assert fetched["c"].closed
+
+
+def until(done, seconds: float = WAIT) -> bool:
+    """Whether ``done()`` came true within ``seconds`` (polled; never a pause once it is)."""
+    end = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_open(tmp_path, monkeypatch):
+    """The cache had no room for the next shard when the worker opened its current one (an earlier
+    shard's file was still open for its late reads): read-ahead looks again, rather than leave
+    that shard to the worker's own open."""
+    full = {"b": 2}  # b finds no room twice, then room
+    fetched: list[str] = []
+
+    class Pin:
+        def close(self) -> None:
+            pass
+
+    def fetch(url, access, stop, span):
+        if full.get(url):
+            full[url] -= 1
+            raise cache.CacheFull(url)
+        fetched.append(url)
+        return Pin()
+
+    monkeypatch.setattr(ahead_module, "fetch_ahead", fetch)
+    monkeypatch.setattr(ahead_module.cache, "cacheable", lambda url: True)
+    monkeypatch.setattr(ahead_module, "RETRY_S", 0.01)
+    plan = ReadAhead(["a", "b", "c"], lambda url: (url, None), Access(cache_dir=str(tmp_path)), depth=1)
+    items = iter(plan)
+    assert next(items) == "a"
+    plan.opened()  # b is next: it is tried until it fits; c comes with b's open
+    assert until(lambda: fetched == ["b"]) and full["b"] == 0
+    assert next(items) == "b"
+    plan.opened()
+    assert until(lambda: fetched == ["b", "c"])
+    plan.close()

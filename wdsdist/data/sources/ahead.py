@@ -9,7 +9,11 @@ the first shard is never fetched against read-ahead's, and the first batch waits
 it. The thread fetches in plan order, never more than ``depth`` shards past the worker; each one
 fetched stays pinned (cache.Pin) until the worker has opened it, so that read-ahead's next fetch
 never evicts it. Where the cache has no room, read-ahead stops until the worker opens its next
-shard; it never reads from the store for the worker. A worker that reaches a shard read-ahead is
+shard; it never reads from the store for the worker. Where that shard is the very next one, it
+looks again after a while (from ``RETRY_S``, doubling to ``RETRY_MAX_S``): the room comes when the
+worker lets an earlier shard go, which no open announces (a shard's file stays open until its
+late-read members are decoded, tar/lateread.py), and waiting for the next open would leave the
+next shard to the worker. A worker that reaches a shard read-ahead is
 fetching waits for that download (the entry's download lock), rather than starting a second one.
 A failed fetch is counted (cache.Counts.ahead_failed) and passed over, never retried nor warned
 about: the worker's own open meets the error and reports it as without read-ahead. The thread
@@ -28,6 +32,7 @@ from wdsdist.data.sources.cachefiles import Span
 from wdsdist.data.sources.opener import Access, fetch_ahead
 
 T = TypeVar("T")
+RETRY_S, RETRY_MAX_S = 0.05, 1.0  # the next shard, when the cache had no room for it: look again after
 
 
 class ReadAhead(Generic[T]):
@@ -96,6 +101,7 @@ class ReadAhead(Generic[T]):
             self.thread.start()
 
     def _run(self) -> None:
+        retry = RETRY_S
         while True:
             with self.cond:
                 while not self.todo and not self.stop.is_set():
@@ -104,18 +110,28 @@ class ReadAhead(Generic[T]):
                     return
                 position, url, span = self.todo.popleft()
                 if position <= self.open:
+                    retry = RETRY_S
                     continue  # the worker has opened it already (a download of it, its own)
             try:
                 pin = fetch_ahead(url, self.access, self.stop, span)
             except cache.CacheFull:
-                with self.cond:  # no room now: try again once the worker has moved on
-                    self.todo.clear()
-                    self.planned = min(self.planned, position - 1)
+                with self.cond:
+                    if position == self.open + 1:  # the next shard: look again shortly (above)
+                        self.todo.appendleft((position, url, span))
+                        self.cond.wait(retry)  # or until the worker opens a shard
+                        retry = min(2 * retry, RETRY_MAX_S)
+                    else:  # no room now: try again once the worker has moved on
+                        self.todo.clear()
+                        self.planned = min(self.planned, position - 1)
                 continue
+            retry = RETRY_S
             if pin is None:
                 continue
             with self.cond:
-                if self.stop.is_set():
+                # The worker may have opened it meanwhile (it waited for this download): its own
+                # lock holds the entry now, and a pin kept would leave it unevictable until the
+                # worker's next open.
+                if self.stop.is_set() or position <= self.open:
                     pin.close()
                 else:
                     self.pins[position] = pin
