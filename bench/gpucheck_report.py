@@ -82,7 +82,7 @@ def imagenet_table(part: dict) -> list[str]:
     after = part.get("steady_after", 0)
     header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
     header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "training process CPU per 256"]
-    header += ["host ms per batch: decode (its CPU) / resize / hand-over", "wall", "note"]
+    header += ["host ms per batch: decode (its CPU) / resize / hand-over", "decode threads busy", "wall", "note"]
     rows = [
         [
             r["model"],
@@ -95,6 +95,7 @@ def imagenet_table(part: dict) -> list[str]:
             cores(r),
             f"{num(r.get('own_cpu_ms_per_256'), 1)} ms",
             host_ms(r.get("host_ms")),
+            pct(r.get("decode_busy")),
             seconds(r.get("wall_s")),
             note(r),
         ]

@@ -360,8 +360,19 @@ def imagenet_size(check: Any, part: dict) -> None:
             name = f"c-{model}-{re.sub(r'[^a-z0-9]+', '-', decode)}-{workers}"
             result = train_py(check, name, common + extra, sizes.warmup)
             row |= run_row(result, sizes.warmup, sizes.batch)
+            row["decode_busy"] = decode_busy(row, options.get("gpu_decode_threads", 1), sizes.batch)
             beside(row, pure)
             check.save()
+
+
+def decode_busy(row: dict, threads: int, batch: int) -> float | None:
+    """decode=gpu: the share of its decode threads' time spent in the decode call and the resize's
+    launch at the steady rate (near 1: the decode threads are the limit), from the trainer's host
+    time per batch."""
+    host, rate = row.get("host_ms"), row.get("steady_samples_per_s")
+    if not host or not rate:
+        return None
+    return (host["decode"] + host["resize"]) / 1000 * rate / batch / threads
 
 
 def accuracy(check: Any, part: dict) -> None:

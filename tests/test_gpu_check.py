@@ -200,6 +200,11 @@ def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
     phases = dict(zip(train_parts.HOST_PHASES, map(float, said.groups()), strict=True))
     assert phases == {"decode": 25.38, "decode_cpu": 3.02, "resize": 1.03, "hand_over": 0.15}
     assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.15"
+    # One thread, 256 images a batch at 8,458 a second: 33 batches, each 26.41 ms of the thread's time
+    busy = train_parts.decode_busy({"host_ms": phases, "steady_samples_per_s": 8458.0}, 1, 256)
+    assert busy == pytest.approx(26.41e-3 * 8458 / 256)
+    assert train_parts.decode_busy({"host_ms": phases, "steady_samples_per_s": 8458.0}, 2, 256) == busy / 2
+    assert train_parts.decode_busy({"host_ms": None, "steady_samples_per_s": 8458.0}, 1, 256) is None
 
 
 def test_the_probe_times_a_setting_and_two_decoders_at_once_with_the_cpu_they_took(monkeypatch):
