@@ -99,7 +99,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     auto = compose_config(["loader.decode=auto", "data.synthetic=null"])
     config.check(auto)
     chosen = loader_config(auto, CPU, 0)  # a run on the CPU: its batches are not pinned for a GPU
-    assert (chosen.decode, chosen.decode_why) == ("cpu", "auto: the batches stay on the CPU (pin_memory is off)")
+    assert (chosen.decode, chosen.decode_why) == ("cpu", "auto: the batches stay on the CPU, pin_memory off")
 
 
 def test_the_node_order_and_the_ranks_per_node_reach_the_loader():

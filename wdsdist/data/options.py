@@ -451,7 +451,7 @@ def auto_decode(o: LoaderConfig) -> tuple[str, str]:
     import torch
 
     if not o.pin_memory:
-        return "cpu", "auto: the batches stay on the CPU (pin_memory is off)"
+        return "cpu", "auto: the batches stay on the CPU, pin_memory off"
     if not torch.cuda.is_available():
         return "cpu", "auto: torch sees no CUDA GPU"
     try:
