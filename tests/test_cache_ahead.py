@@ -307,14 +307,19 @@ def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_o
     that shard to the worker's own open."""
     full = {"b": 2}  # b finds no room twice, then room
     fetched: list[str] = []
+    tried: list[str] = []
+    refused = {"c"}
 
     class Pin:
         def close(self) -> None:
             pass
 
     def fetch(url, access, stop, span):
+        tried.append(url)
         if full.get(url):
             full[url] -= 1
+            raise cache.NoRoomYet(url)
+        if url in refused:  # the store was asked (no size, too big): not asked again
             raise cache.CacheFull(url)
         fetched.append(url)
         return Pin()
@@ -322,12 +327,16 @@ def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_o
     monkeypatch.setattr(ahead_module, "fetch_ahead", fetch)
     monkeypatch.setattr(ahead_module.cache, "cacheable", lambda url: True)
     monkeypatch.setattr(ahead_module, "RETRY_S", 0.01)
-    plan = ReadAhead(["a", "b", "c"], lambda url: (url, None), Access(cache_dir=str(tmp_path)), depth=1)
+    plan = ReadAhead(["a", "b", "c", "d"], lambda url: (url, None), Access(cache_dir=str(tmp_path)), depth=1)
     items = iter(plan)
     assert next(items) == "a"
     plan.opened()  # b is next: it is tried until it fits; c comes with b's open
     assert until(lambda: fetched == ["b"]) and full["b"] == 0
     assert next(items) == "b"
     plan.opened()
-    assert until(lambda: fetched == ["b", "c"])
+    # c is refused after the store was asked: dropped from the plan until the worker's next open
+    assert until(lambda: plan.planned == 1) and tried == ["b", "b", "b", "c"]
+    assert next(items) == "c"
+    plan.opened()
+    assert until(lambda: fetched == ["b", "d"]) and tried.count("c") == 1
     plan.close()

@@ -1,23 +1,23 @@
-"""Read-ahead into the node cache (``loader.cache_ahead``): while a worker reads one shard, a
-thread of its own fetches the next shards of the worker's plan into the cache (cache.py), so that
-the worker's opens find them there. Without it a worker asks the store for a shard only when it
-opens it, one request at a time, and waits for each.
+"""Read-ahead into the node cache (``loader.cache_ahead``): while a worker reads one shard, a thread
+of its own fetches the next shards of the worker's plan into the cache (cache.py), so that the
+worker's opens find them there. Without it a worker asks the store for a shard only when it opens
+it, one request at a time, and waits for each.
 
-The worker's plan is what it iterates: ``ReadAhead`` hands the worker its items in order and
-peeks at the next ``depth`` of them once the worker has opened the current one (``opened``), so
-the first shard is never fetched against read-ahead's, and the first batch waits for nothing of
-it. The thread fetches in plan order, never more than ``depth`` shards past the worker; each one
-fetched stays pinned (cache.Pin) until the worker has opened it, so that read-ahead's next fetch
-never evicts it. Where the cache has no room, read-ahead stops until the worker opens its next
-shard; it never reads from the store for the worker. Where that shard is the very next one, it
-looks again after a while (from ``RETRY_S``, doubling to ``RETRY_MAX_S``): the room comes when the
-worker lets an earlier shard go, which no open announces (a shard's file stays open until its
-late-read members are decoded, tar/lateread.py), and waiting for the next open would leave the
-next shard to the worker. A worker that reaches a shard read-ahead is
-fetching waits for that download (the entry's download lock), rather than starting a second one.
-A failed fetch is counted (cache.Counts.ahead_failed) and passed over, never retried nor warned
-about: the worker's own open meets the error and reports it as without read-ahead. The thread
-ends with the worker's pass over its plan, or when the stream is closed.
+The worker's plan is what it iterates: ``ReadAhead`` hands the worker its items in order and peeks
+at the next ``depth`` of them once the worker has opened the current one (``opened``), so the first
+shard is never fetched against read-ahead's, and the first batch waits for nothing of it. The
+thread fetches in plan order, never more than ``depth`` shards past the worker; each one fetched
+stays pinned (cache.Pin) until the worker has opened it, so that read-ahead's next fetch never
+evicts it. Where the cache has no room, read-ahead stops until the worker opens its next shard; it
+never reads from the store for the worker. Where that shard is the very next one and the store was
+not asked (cache.NoRoomYet), it looks again after a while (from ``RETRY_S``, doubling to
+``RETRY_MAX_S``): the room comes when the worker lets an earlier shard go, which no open announces
+(a shard's file stays open until its late-read members are decoded, tar/lateread.py), and waiting
+for the next open would leave the next shard to the worker. A worker that reaches a shard
+read-ahead is fetching waits for that download (the entry's download lock), rather than starting a
+second one. A failed fetch is counted (cache.Counts.ahead_failed) and passed over, never retried
+nor warned about: the worker's own open meets the error and reports it as without read-ahead. The
+thread ends with the worker's pass over its plan, or when the stream is closed.
 """
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ class ReadAhead(Generic[T]):
                     continue  # the worker has opened it already (a download of it, its own)
             try:
                 pin = fetch_ahead(url, self.access, self.stop, span)
-            except cache.CacheFull:
+            except cache.CacheFull as full:
                 with self.cond:
-                    if position == self.open + 1:  # the next shard: look again shortly (above)
+                    if isinstance(full, cache.NoRoomYet) and position == self.open + 1:  # look again (above)
                         self.todo.appendleft((position, url, span))
                         self.cond.wait(retry)  # or until the worker opens a shard
                         retry = min(2 * retry, RETRY_MAX_S)

@@ -110,6 +110,11 @@ class CacheFull(Exception):
     the store did not say the shard's size, or read-ahead was stopped): it stops reading ahead."""
 
 
+class NoRoomYet(CacheFull):
+    """CacheFull where the cache has no room for the shard now and nothing was asked of the store:
+    the room may come as the worker lets its shards go, so read-ahead may look again."""
+
+
 def fetch_ahead(
     url: str, folder: str, limit: int | None, fetch: Callable[[], Any], stop: threading.Event, span: Span | None = None
 ) -> Pin | None:
@@ -242,7 +247,7 @@ class NodeCache:
             if os.path.exists(entry.data):
                 count(corrupt=1)
             if not cachefiles.room_for(self.folder, self.limit, self.largest):
-                raise CacheFull(url)  # not worth a request that would be dropped
+                raise NoRoomYet(url)  # not worth a request that would be dropped
             try:
                 unlink(entry.data, entry.meta, *entry.parts())
                 return self._download(entry, fetch, stop)
