@@ -22,7 +22,10 @@ from tests.conftest import write_tiny_shards
 from tests.helpers.jpegs import encode
 from wdsdist.data import DataError, Loader, LoaderConfig, UserError
 from wdsdist.data.decode import gpu
+from wdsdist.data.decode.draws import CropDraw
 from wdsdist.data.decode.gpu import BatchDecoder, Drawn, gpu_takes, pack
+from wdsdist.data.decode.jpegcrop import crop_decoder
+from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.sources.index import index_path, write_index
 
@@ -320,6 +323,36 @@ def test_a_share_decoded_in_the_workers_gives_the_cpu_paths_batches_the_same_jpe
     assert split_again == split and all(torch.equal(a["image"], b["image"]) for a, b in zip(half, again, strict=True))
     with pytest.raises(UserError, match=r"^gpu_decode_share=1.5: a share between 0 and 1"):
         LoaderConfig(batch_size=4, decode="gpu", gpu_decode_share=1.5)
+
+
+@pytest.mark.parametrize("region", [True, False])
+def test_a_jpeg_the_workers_cannot_decode_draws_as_on_the_cpu_path_before_the_next_crop(region):
+    """A JPEG whose header reads but whose data libjpeg refuses, left to the workers: the next
+    sample's crop is the CPU path's (a draw made for the refused one would shift every later crop)."""
+    good = encode(90, 70, seed=3)
+    bad = bytearray(good)
+    sof = bad.find(b"\xff\xc0")
+    bad[sof + 11] = 3  # its first component names quantization table 3, which no DQT defines
+    assert gpu_takes(bytes(bad)) and not decodes(bytes(bad))
+
+    def crops(decode: str) -> list:
+        cfg = LoaderConfig(batch_size=2, image_size=32, decode=decode, gpu_decode_share=0.0, decode_region=region)
+        transform = make_transform(cfg)
+        crop = crop_decoder(transform, False) if region else None
+        draw = CropDraw(*transform.transforms) if decode == "gpu" else None
+        torch.manual_seed(0)
+        out = []
+        for key, data in (("a", bytes(bad)), ("b", good), ("c", good)):
+            sample = {"__url__": "u", "__key__": key, "jpg": data, "cls": b"1"}
+            try:
+                out.append(prepare_sample(sample, cfg, transform, crop, draw)()[0])
+            except DataError:
+                out.append(None)
+        return out
+
+    cpu, workers = crops("cpu"), crops("gpu")
+    assert cpu[0] is None and workers[0] is None
+    assert all(torch.equal(a, b) for a, b in zip(cpu[1:], workers[1:], strict=True))
 
 
 def test_epochs_cut_to_nbatches_read_on_the_gpu_path_as_on_the_cpu_path(tmp_path, on_cpu):

@@ -19,7 +19,6 @@ import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as F
 
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.gpu import Drawn, gpu_takes
@@ -156,15 +155,10 @@ def prepare_sample(
 
     region = crop is not None and crop.takes(data)
     width, height = _jpeg_size(data, where, crop if region else None, cfg.max_pixels)
-    if draw is not None and CropDecoder.takes(data) and gpu_takes(data):
+    # decode=gpu: the GPU's share of the JPEGs it takes; the others go on as on the CPU path
+    if draw is not None and CropDecoder.takes(data) and gpu_takes(data) and on_gpu(where, cfg.gpu_decode_share):
         p, flip = draw(width, height)
-        if on_gpu(where, cfg.gpu_decode_share):
-            return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
-        if not cfg.train:  # evaluation's resize and centre crop draw nothing
-            return _ready(transform(whole()), value)
-        if not region:
-            return _ready(_resized_crop(whole(), p, flip, cfg.image_size), value)
-        return RegionJob(crop, data, width, height, (p, flip), whole, value)
+        return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
     if region:
         return RegionJob(crop, data, width, height, crop.draw(width, height), whole, value)
     return _ready(transform(whole()), value)
@@ -174,12 +168,6 @@ def on_gpu(where: str, share: float) -> bool:
     """Whether decode=gpu's GPU decodes this JPEG (loader.gpu_decode_share): a hash of its shard
     and key against the share, so the same JPEGs go there in every run and after a resume."""
     return share >= 1.0 or zlib.crc32(where.encode("utf-8", "replace")) < share * 2**32
-
-
-def _resized_crop(image: torch.Tensor, p: dict, flip: bool, size: int) -> torch.Tensor:
-    """The training crop ``p`` and flip, as RandomResizedCrop and RandomHorizontalFlip make them."""
-    out = F.resized_crop(image, **p, size=[size, size], antialias=True)
-    return F.horizontal_flip(out) if flip else out
 
 
 def eval_image(data: bytes, cfg: LoaderConfig, where: str) -> torch.Tensor:
