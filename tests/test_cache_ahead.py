@@ -340,3 +340,27 @@ def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_o
     plan.opened()
     assert until(lambda: fetched == ["b", "d"]) and tried.count("c") == 1
     plan.close()
+
+
+def test_close_while_the_next_shard_finds_no_room_ends_read_ahead_without_its_retry_wait(tmp_path, monkeypatch):
+    inside, leave = threading.Event(), threading.Event()
+
+    def fetch(url, access, stop, span):
+        inside.set()
+        assert leave.wait(WAIT)  # close() comes while read-ahead is in here
+        raise cache.NoRoomYet(url)
+
+    monkeypatch.setattr(ahead_module, "fetch_ahead", fetch)
+    monkeypatch.setattr(ahead_module.cache, "cacheable", lambda url: True)
+    monkeypatch.setattr(ahead_module, "RETRY_S", 3600.0)  # a retry's wait would outlast the test
+    plan = ReadAhead(["a", "b"], lambda url: (url, None), Access(cache_dir=str(tmp_path)), depth=1)
+    items = iter(plan)
+    assert next(items) == "a"
+    plan.opened()
+    assert inside.wait(WAIT)
+    closing = threading.Thread(target=plan.close)
+    closing.start()
+    assert until(plan.stop.is_set)
+    leave.set()
+    closing.join(WAIT)
+    assert not closing.is_alive() and not plan.thread.is_alive()

@@ -41,6 +41,9 @@ def test_a_gpu_run_gets_its_share_less_one_a_cpu_run_half_gpu_decode_two(sixteen
         "they decode (25% of the 15 cores CPU decode would take)",
     )
     assert auto_workers(gpu=True, gpu_decode=True, cpu_share=1.0)[0] == 15  # never past CPU decode's number
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(11)))
+    assert auto_workers(gpu=True, gpu_decode=True, cpu_share=1 - 0.7)[0] == 2 + 3  # 30 % of 10, not 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     cfg = LoaderConfig(batch_size=8, workers="auto", decode="gpu", gpu_decode_share=0.75)
     assert cfg.workers == 6 and "4 for the 25% of the JPEGs" in cfg.workers_why
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the node's 16 cores

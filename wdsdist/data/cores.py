@@ -49,7 +49,7 @@ def auto_workers(*, gpu: bool, gpu_decode: bool, node_ranks: int = 1, cpu_share:
     share = max(1, n // ranks)
     mine = f"{n} cores this process may use" + (f" shared by {ranks} ranks on this node" if ranks > 1 else "")
     if gpu_decode and cpu_share > 0:
-        decoding = math.ceil((share - 1) * cpu_share)
+        decoding = math.ceil(round((share - 1) * cpu_share, 6))  # 1 - 0.7 is 0.30000000000000004
         workers = max(1, min(share - 1, GPU_DECODE_WORKERS + decoding))
         why = (
             f"{mine}; decode=gpu: {GPU_DECODE_WORKERS} to read and draw, and {decoding} for the {cpu_share:.0%} "

@@ -118,7 +118,8 @@ class ReadAhead(Generic[T]):
                 with self.cond:
                     if isinstance(full, cache.NoRoomYet) and position == self.open + 1:  # look again (above)
                         self.todo.appendleft((position, url, span))
-                        self.cond.wait(retry)  # or until the worker opens a shard
+                        if not self.stop.is_set():  # close() may have notified while we fetched
+                            self.cond.wait(retry)  # or until the worker opens a shard
                         retry = min(2 * retry, RETRY_MAX_S)
                     else:  # no room now: try again once the worker has moved on
                         self.todo.clear()
