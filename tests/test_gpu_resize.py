@@ -205,6 +205,32 @@ def test_decode_auto_takes_the_gpu_with_cuda_and_the_extra_else_the_cpu_and_says
     assert "(loader.decode=auto: " in loader_line(left) and "on the CPU, in the workers" in loader_line(left)
 
 
+def test_decode_auto_keeps_its_reason_through_data_sources_and_gives_way_to_a_transform(tmp_path, monkeypatch):
+    from torchvision.transforms import v2 as transforms
+
+    from wdsdist.data import Loader, Source
+    from wdsdist.data.delivery.mixing import mix_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.0.20")
+    monkeypatch.setattr(gpu, "device", lambda: torch.device("cpu"))  # decode=gpu's functions on CPU tensors
+    cfg = LoaderConfig(batch_size=4, workers="auto", decode="auto", pin_memory=True, split="samples")
+    assert cfg.decode == "gpu" and cfg.decode_why and cfg.workers_why
+    mixed = mix_config(cfg)  # data.sources: a changed copy of the config
+    assert (mixed.decode_why, mixed.workers_why) == (cfg.decode_why, cfg.workers_why)
+    # A transform runs in the workers on decoded images: auto decodes on the CPU, workers sized for it
+    index = write_tiny_shards(tmp_path / "s", [8, 8], size=40)
+    loader = Loader(str(index), cfg, rank=0, world=1, transform=transforms.RandomHorizontalFlip())
+    assert loader.config.decode == "cpu" and loader.config.decode_why == (
+        "auto: a transform runs in the workers on decoded images"
+    )
+    assert "less 1 for the training process" in loader.config.workers_why
+    both = [Source("tiny", str(index))]
+    assert Loader(both, cfg, rank=0, world=1).config.decode_why == cfg.decode_why
+    with pytest.raises(UserError, match="a transform runs in the workers"):  # asked for: still refused
+        Loader(str(index), LoaderConfig(batch_size=4, decode="gpu"), rank=0, world=1, transform=lambda x: x)
+
+
 @pytest.mark.parametrize("engine", ["nvimgcodec", "torchvision"])
 def test_decode_gpu_evaluates_on_the_cpu_paths_samples_and_labels(tmp_path, monkeypatch, engine):
     if engine == "nvimgcodec" and not HAVE_NVIMGCODEC:

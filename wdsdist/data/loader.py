@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from wdsdist.data.autos import decoded_on_cpu
 from wdsdist.data.delivery.mixing import mix_config, resolve_sources
 from wdsdist.data.delivery.pipeline import (
     RankLoader,
@@ -99,6 +100,8 @@ class Loader:
     ):
         self.rank, self.world = dist_layout(rank, world)
         check_decode(config)  # decode=gpu without CUDA: one line now
+        if transform is not None and config.decode == "gpu" and config.decode_why is not None:
+            config = decoded_on_cpu(config, "a transform runs in the workers on decoded images")
         if transform is not None and config.decode == "gpu":
             raise UserError(
                 "loader.decode=gpu: a transform runs in the workers on decoded images, and under "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
+from wdsdist.data.autos import auto_decode
 from wdsdist.data.cores import AUTO, auto_workers
 from wdsdist.data.sources import httpopen
 from wdsdist.data.sources.access import Access
@@ -49,7 +50,6 @@ class ShardOrder(StrEnum):
 SHARD_ORDERS = tuple(o.value for o in ShardOrder)
 MIXES = ("sample", "stratified")
 DECODES = ("cpu", "gpu", "auto")
-NVIMGCODEC = "nvidia-nvimgcodec-cu13"  # the [gpu] extra's decoder
 GPU_DECODERS = ("auto", "nvimgcodec", "torchvision")
 
 
@@ -440,28 +440,6 @@ DECODE_RULES: tuple[Rule, ...] = (
 STREAM_RULES += MIX_RULES + DECODE_RULES
 LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
-
-
-def auto_decode(o: LoaderConfig) -> tuple[str, str]:
-    """``decode="auto"``: gpu where the batches go to a CUDA GPU (``pin_memory``), torch sees one
-    and the [gpu] extra (nvImageCodec) is installed, and no other option needs the CPU path;
-    else cpu. And why, in words."""
-    import importlib.metadata
-
-    import torch
-
-    if not o.pin_memory:
-        return "cpu", "auto: the batches stay on the CPU, pin_memory off"
-    if not torch.cuda.is_available():
-        return "cpu", "auto: torch sees no CUDA GPU"
-    try:
-        version = importlib.metadata.version(NVIMGCODEC)
-    except importlib.metadata.PackageNotFoundError:
-        return "cpu", f"auto: {NVIMGCODEC}, the [gpu] extra, is not installed"
-    for name in ("cross_shuffle", "decode_downscale"):
-        if getattr(o, name):
-            return "cpu", f"auto: loader.{name} needs the CPU path"
-    return "gpu", f"auto: a CUDA GPU and nvImageCodec {version}, the [gpu] extra"
 
 
 def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterator[str]:

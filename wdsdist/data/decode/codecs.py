@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from wdsdist.data.autos import NVIMGCODEC
 from wdsdist.data.decode.resize import Place
-from wdsdist.data.options import NVIMGCODEC
 from wdsdist.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ list of every source's shards with the mix over it (plan/mix.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
+from wdsdist.data.autos import replaced
 from wdsdist.data.delivery.pipeline import counted_shards, expand_shards
 from wdsdist.data.options import LoaderConfig, LoaderMode, ShardOrder, Source, Split
 from wdsdist.data.plan.mix import Mix, MixSource, check
@@ -24,7 +24,7 @@ def mix_config(cfg: LoaderConfig) -> LoaderConfig:
         raise UserError("loader.mix=stratified makes each batch in its worker: use loader.cross_shuffle=0")
     if cfg.shard_order == ShardOrder.node:
         raise UserError("data.sources: loader.shard_order=node is not supported with several data sets; use global")
-    return replace(cfg, split=Split.samples)
+    return replaced(cfg, split=Split.samples)
 
 
 def resolve_sources(sources: Sequence[Source], cfg: LoaderConfig) -> tuple[list[Shard], Mix]:
