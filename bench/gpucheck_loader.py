@@ -150,7 +150,7 @@ def gpu_rows(sizes: Any) -> list[tuple[str, int, dict]]:
         for t in sizes.decode_threads:
             for share in sizes.decode_shares:
                 for d in sizes.gpu_decoders:
-                    how = [f"{t} threads"] * (t > 1) + [f"{share:.0%} on the GPU"] * (share < 1)
+                    how = [f"{t} threads"] * (t > 1) + [f"{share * 100:g}% on the GPU"] * (share < 1)
                     label = f"gpu/{d}" + (f" ({', '.join(how)})" if how else "")
                     options = {"decode": "gpu", "gpu_decoder": d, "gpu_decode_threads": t, "gpu_decode_share": share}
                     rows.append((label, w, options))

@@ -82,7 +82,8 @@ def imagenet_table(part: dict) -> list[str]:
     after = part.get("steady_after", 0)
     header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
     header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "training process CPU per 256"]
-    header += ["host ms per batch: decode (its CPU) / resize / hand-over", "decode threads busy", "wall", "note"]
+    header += ["host ms per batch: decode (its thread's CPU) / resize / hand-over", "decode threads busy"]
+    header += ["wall", "note"]
     rows = [
         [
             r["model"],

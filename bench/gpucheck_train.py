@@ -26,7 +26,7 @@ WINDOW = re.compile(r"^step (\d+)(?:/\d+)? loss .*? (\d+(?:\.\d+)?) samples/s da
 PLAN_WORKERS = re.compile(r"^plan: .* over \d+ ranks x (\d+) workers", re.MULTILINE)
 LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and why, where it decodes
 HOST_LINE = re.compile(
-    r"host time per batch: decode ([\d.]+) ms \(([\d.]+) ms of it on the CPU\), "
+    r"host time per batch: decode ([\d.]+) ms \(([\d.]+) ms of it its thread's CPU\), "
     r"resize ([\d.]+) ms, hand-over ([\d.]+) ms"
 )
 HOST_PHASES = ("decode", "decode_cpu", "resize", "hand_over")

@@ -175,8 +175,8 @@ class Loader:
     def decode_host(self) -> dict:
         """decode=gpu: which decoder makes the training images, and its host time per batch so
         far, in ms, by phase (the decode call, the resize's launch, the hand-over) and the decode
-        call's own CPU time (``decode_cpu_ms``: the rest of the call waited); empty under decode=cpu
-        or before the first batch."""
+        call's CPU time on its own thread (``decode_cpu_ms``; nvImageCodec's own threads are not
+        in it); empty under decode=cpu or before the first batch."""
         decoder = self._inner.decoder if self._inner is not None else None
         if decoder is None or not decoder.host["batches"]:
             return {}

@@ -124,8 +124,9 @@ class BatchDecoder:
     ``batch["image"]``, uint8 N x 3 x size x size, channels_last: the training crops (``train``)
     or evaluation's resize and centre crop. ``counts``: images decoded on the device, on the CPU
     (in a worker or here), and left out; ``host``: the seconds of host time by phase (the decode
-    call, the resize's launch, the hand-over; ``decode_cpu``: the decode call's own CPU time, the
-    rest of it waited) and the batches they cover."""
+    call, the resize's launch, the hand-over; ``decode_cpu``: the CPU time of the decode call on
+    its own thread, the rest being nvImageCodec's threads, the JPEG engines or the GIL) and the
+    batches they cover."""
 
     def __init__(self, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
         self.size, self.device, self.train = size, device, train
@@ -214,7 +215,7 @@ class BatchDecoder:
         src, places = self.codec.decode(datas, regions)
         decoded = time.perf_counter()
         self.host["decode"] += decoded - began
-        self.host["decode_cpu"] += time.thread_time() - began_cpu  # the rest waited (the JPEG engines, the GIL)
+        self.host["decode_cpu"] += time.thread_time() - began_cpu  # this thread's only (gpu-check's probe: all)
         geometry = [self._geometry(box) for box in boxes]
         on_device = [i for i, place in enumerate(places) if place is not None]
         made = self.resize(src, [places[i] for i in on_device], [geometry[i] for i in on_device])
