@@ -39,12 +39,13 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
 DATA_ARROWS = {
     "tar": set(),
     "sources": {"tar"},
-    "decode": {"tar", "options"},
+    "decode": {"tar", "options", "autos"},
     "plan": {"options"},
-    "delivery": {"sources", "tar", "decode", "plan", "options", "cores"},
-    "options": {"sources", "cores"},
+    "delivery": {"sources", "tar", "decode", "plan", "options", "cores", "autos"},
+    "options": {"sources", "cores", "autos"},
     "cores": set(),
-    "loader": {"sources", "plan", "delivery", "options"},
+    "autos": {"cores"},
+    "loader": {"sources", "plan", "delivery", "options", "autos"},
 }
 DATA_FILES = sorted((PACKAGE / "data").rglob("*.py"))
 

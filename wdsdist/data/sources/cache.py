@@ -8,9 +8,8 @@ another and meet only through the files and locks of cachefiles.py, whose docstr
 that protocol. What a process's cache did is counted in cachecounts.py.
 
 Where the cache cannot take a shard (larger than the limit, the rest in use, the folder not
-writable, the disk full), the shard is read from the store as without a cache, with one warning
-line per cause in the process, and the run goes on.
-"""
+writable, the disk full), it is read from the store as without a cache, with one warning line per
+cause in the process, and the run goes on."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from wdsdist.data.sources.cachefiles import FULL, CachedFile, Entry, Pin, Span, 
 from wdsdist.data.sources.retry import describe
 
 __all__ = ["CACHE_COUNTS", "CacheFull", "Counts", "NodeCache", "Pin", "Span", "cacheable", "counts", "entry_name"]
-__all__ += ["fetch_ahead", "open_cached", "prepare", "take_counts"]
+__all__ += ["NoRoomYet", "fetch_ahead", "open_cached", "prepare", "take_counts"]
 
 log = logging.getLogger(__name__)
 _guard = threading.Lock()
@@ -111,8 +110,7 @@ class CacheFull(Exception):
 
 
 class NoRoomYet(CacheFull):
-    """CacheFull where the cache has no room for the shard now and nothing was asked of the store:
-    the room may come as the worker lets its shards go, so read-ahead may look again."""
+    """No room for the shard now, and nothing was asked of the store: read-ahead may look again."""
 
 
 def fetch_ahead(
