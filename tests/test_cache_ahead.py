@@ -14,13 +14,13 @@ from __future__ import annotations
 import gc
 import http.server
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import write_tiny_shards
 from tests.helpers.loading import cfg
+from tests.helpers.polling import wait_for
 from tests.helpers.servers import http_server
 from wdsdist.data import Loader
 from wdsdist.data.delivery import stream
@@ -284,21 +284,11 @@ def test_a_pin_that_comes_after_its_shard_was_opened_is_let_go_at_once(tmp_path,
     assert next(items) == "b"
     plan.opened()
     worker_opened["b"].set()
-    assert until(lambda: "c" in fetched)  # c is planned after b's open, so b's fetch is over
+    wait_for("c fetched", lambda: "c" in fetched, WAIT, 0.01)  # c is planned after b's open, so b's fetch is over
     with plan.cond:
         assert fetched["b"].closed and 1 not in plan.pins
     plan.close()
     assert fetched["c"].closed
-
-
-def until(done, seconds: float = WAIT) -> bool:
-    """Whether ``done()`` came true within ``seconds`` (polled; never a pause once it is)."""
-    end = time.monotonic() + seconds
-    while not done():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_open(tmp_path, monkeypatch):
@@ -331,14 +321,17 @@ def test_the_next_shard_is_fetched_once_room_comes_without_waiting_for_another_o
     items = iter(plan)
     assert next(items) == "a"
     plan.opened()  # b is next: it is tried until it fits; c comes with b's open
-    assert until(lambda: fetched == ["b"]) and full["b"] == 0
+    wait_for("b fetched", lambda: fetched == ["b"], WAIT, 0.01)
+    assert full["b"] == 0
     assert next(items) == "b"
     plan.opened()
     # c is refused after the store was asked: dropped from the plan until the worker's next open
-    assert until(lambda: plan.planned == 1) and tried == ["b", "b", "b", "c"]
+    wait_for("c dropped from the plan", lambda: plan.planned == 1, WAIT, 0.01)
+    assert tried == ["b", "b", "b", "c"]
     assert next(items) == "c"
     plan.opened()
-    assert until(lambda: fetched == ["b", "d"]) and tried.count("c") == 1
+    wait_for("d fetched", lambda: fetched == ["b", "d"], WAIT, 0.01)
+    assert tried.count("c") == 1
     plan.close()
 
 
@@ -360,7 +353,7 @@ def test_close_while_the_next_shard_finds_no_room_ends_read_ahead_without_its_re
     assert inside.wait(WAIT)
     closing = threading.Thread(target=plan.close)
     closing.start()
-    assert until(plan.stop.is_set)
+    wait_for("close() stopping read-ahead", plan.stop.is_set, WAIT, 0.01)
     leave.set()
     closing.join(WAIT)
     assert not closing.is_alive() and not plan.thread.is_alive()

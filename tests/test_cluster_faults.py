@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import write_tiny_shards
 from tests.helpers import cluster
 from tests.helpers.cluster import Cluster
+from tests.helpers.polling import wait_for
 from tests.helpers.trace import delivery, kept
 
 WHY = cluster.unavailable()
@@ -63,16 +64,6 @@ def job_args(c: Cluster, run_dir: Path, *extra: str) -> list[str]:
         f"run_dir={run_dir}",
         *extra,
     ]
-
-
-def wait_for(what: str, ready: Callable[[], bool], timeout: float) -> float:
-    """Poll until ``ready()``; the seconds it took. Fails naming ``what`` after ``timeout``."""
-    start = time.monotonic()
-    while not ready():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"{what}: not within {timeout:g}s")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 class Scenario:
