@@ -125,6 +125,71 @@ def test_the_reference_runs_without_the_interpreter(monkeypatch):
     assert resize(src, places, [train_geometry(16, 1)]).shape == (1, 3, 16, 16)
 
 
+def _kernels_faked(monkeypatch, launch) -> None:
+    """BatchResize takes the kernels' road on CPU tensors outside the interpreter, with ``launch``
+    in the kernels' place."""
+    pytest.importorskip("triton")
+    from wdsdist.data.decode import resize, resize_kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(resize, "kernels_here", lambda device: True)
+    monkeypatch.setattr(resize_kernels, "launch", launch)
+
+
+def test_where_triton_cannot_compile_the_resize_goes_on_per_image_and_says_so_once(monkeypatch, caplog):
+    tries = []
+
+    def launch(*args):
+        tries.append(1)
+        raise RuntimeError("compile failed\nno C compiler found")
+
+    _kernels_faked(monkeypatch, launch)
+    resize = BatchResize(16, torch.device("cpu"))
+    src, places = packed([photo(40, 30, 1), noise(20, 50, 2)])
+    geometry = [train_geometry(16, 1), train_geometry(16, 0)]
+    with caplog.at_level("WARNING", logger="wdsdist.data.decode.resize"):
+        first, second = resize(src, places, geometry), resize(src, places, geometry)
+    assert torch.equal(first, reference(src, places, geometry, 16)) and torch.equal(first, second)
+    assert len(tries) == 1 and not resize.kernels and "Triton failed here: RuntimeError" in resize.how
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].endswith("no C compiler found")
+
+
+def test_decode_threads_first_launches_take_turns_and_later_ones_run_at_once(monkeypatch):
+    import threading
+    import time
+
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def first(*args):  # Triton's compile: counts how many run at once
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    _kernels_faked(monkeypatch, first)
+    src, places = packed([photo(40, 30, 1)])
+    resizes = [BatchResize(16, torch.device("cpu")) for _ in range(3)]
+
+    def in_threads() -> None:
+        threads = [threading.Thread(target=r, args=(src, places, [train_geometry(16, 0)])) for r in resizes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    in_threads()
+    assert most[0] == 1 and all(r.launched for r in resizes)  # one at a time
+    from wdsdist.data.decode import resize_kernels
+
+    together = threading.Barrier(3, timeout=30)  # passes only with all three launches under way at once
+    monkeypatch.setattr(resize_kernels, "launch", lambda *args: together.wait())
+    in_threads()
+    assert not together.broken and together.n_waiting == 0
+
+
 @needs_nvimgcodec
 @pytest.mark.parametrize("regions", [True, False], ids=["regions", "whole-then-crop"])
 def test_nvimagecodec_decodes_the_drawn_regions_as_libjpeg_turbo_does(regions):

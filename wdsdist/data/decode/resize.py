@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Triton compiles a kernel at its first launch; decode threads (loader.gpu_decode_threads) make
+# their first batches at once, so first launches take turns.
+_FIRST_LAUNCH = threading.Lock()
 EVAL_RATIO = 0.875  # evaluation resizes the shorter side to round(size / EVAL_RATIO), as make_transform
 
 
@@ -116,6 +120,7 @@ class BatchResize:
         self.kernels = kernels_here(device)
         self.how = "Triton, 2 launches a batch" if self.kernels else "torch, per image"
         self.tmp = torch.empty(0, dtype=torch.float32, device=device)  # reused, grown as needed
+        self.launched = False
 
     def __call__(self, src: torch.Tensor, places: Sequence[Place], geometry: Sequence[Geometry]) -> torch.Tensor:
         if not places:
@@ -130,5 +135,30 @@ class BatchResize:
         if self.tmp.numel() < need:
             self.tmp = torch.empty(int(need * 1.25), dtype=torch.float32, device=self.device)
         out = torch.empty((len(places), self.size, self.size, 3), dtype=torch.uint8, device=self.device)
-        resize_kernels.launch(src, self.tmp, out, params, self.size, tallest)
+        if self.launched:
+            resize_kernels.launch(src, self.tmp, out, params, self.size, tallest)
+        else:
+            with _FIRST_LAUNCH:
+                if not self._first_launch(src, out, params, tallest):
+                    return reference(src, places, geometry, self.size)
         return out.permute(0, 3, 1, 2)  # N x 3 x S x S, channels_last in memory
+
+    def _first_launch(self, src, out, params, tallest: int) -> bool:
+        """The kernels' first launch, where Triton compiles them. A GPU machine on which Triton
+        cannot compile (no compiler, say) goes on with the per-image reference, and says so in one
+        line; under the interpreter, which compiles nothing, the error is the kernels' own: raised."""
+        from wdsdist.data.decode import resize_kernels
+
+        try:
+            resize_kernels.launch(src, self.tmp, out, params, self.size, tallest)
+        except Exception as exc:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                raise
+            self.kernels, self.how = False, f"torch, per image (Triton failed here: {type(exc).__name__})"
+            log.warning(
+                "decode=gpu: the Triton resize failed at its first launch, so torch resizes image by image: %s",
+                str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__,
+            )
+            return False
+        self.launched = True
+        return True
