@@ -121,7 +121,9 @@ def host_ms(h: dict | None) -> str:
 def probe_table(part: dict) -> list[str]:
     rows = []
     for r in part.get("rows", []):
-        for mode in ("regions", "whole"):
+        for mode in ("regions", "whole", "progressive"):
+            if mode == "progressive" and mode not in r:  # a report from before it was probed
+                continue
             m = r.get(mode) or {}
             refused = f"{m.get('refused')} of {m.get('images')}" if "images" in m else "-"
             said = m.get("error") or r.get("error") or ""

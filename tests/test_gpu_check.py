@@ -305,3 +305,56 @@ def test_part_d_times_a_row_until_its_rate_is_steady():
     swings = batches(([0.01] * 20 + [0.2] * 2) * 10_000)  # windows of 1000, 1000, 50, 50, ... samples/s
     got = loader.steady_rate(swings, window_s=0.1, most_s=5.0, clock=lambda: now[0])
     assert not got["steady"] and 5.0 <= got["timed_s"] < 5.5
+
+
+def test_the_probe_names_the_fastest_setting_with_libjpegs_pixels_and_skips_rows_without_pixels(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    decoder = load("gpucheck_decoder")
+    said = {
+        "timing": [{"setting": "hw", "ok": True, "wall_ms": 5.0, "p99_9": 0.0}],
+        "timing-own-nvjpeg": [
+            {"setting": "hw", "ok": True, "wall_ms": 9.0, "p99_9": 0.0},
+            {"setting": "hybrid", "ok": True, "wall_ms": 7.0, "p99_9": 3.0},  # pixels too far
+            {"setting": "cuda", "ok": False, "error": "RuntimeError: no decoder"},
+            {"setting": "2 at once", "ok": True, "wall_ms": 1.0, "images": 512},  # no pixels of its own
+        ],
+    }
+
+    def run(cmd, **_):
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(said[cmd[-1]]) + "\n", stderr="")
+
+    monkeypatch.setattr(decoder.subprocess, "run", run)
+
+    class Check:
+        def left(self):
+            return 300.0
+
+        def say(self, text):
+            pass
+
+    part = {"verdict": "nvImageCodec 0.9 is used"}
+    decoder.settings(Check(), part, {"site": "/nowhere"})
+    assert part["best"] == "hw" and part["verdict"].endswith("fastest alone: hw (9.0 ms per 256 crops)")
+    assert len(part["timing"]) == 5
+
+
+def test_the_probe_decodes_regions_whole_images_and_progressive_jpegs_and_fails_regions_turned_off(monkeypatch):
+    pytest.importorskip("nvidia.nvimgcodec")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    decoder = load("gpucheck_decoder")
+    assert decoder.MODES == ("regions", "whole", "progressive")
+    for mode, images in (("regions", 10), ("whole", 10), ("progressive", 8)):  # on the CPU: its CPU backend
+        got = decoder.measure(mode, 8)
+        assert got["ok"] and got["refused"] == 0 and got["images"] == images and got["p99_9"] <= 2, mode
+    jpeg = decoder.progressive(load("gpucheck_loader").photo_sample(0))
+    assert b"\xff\xc2" in jpeg and b"\xff\xc0" not in jpeg  # SOF2, no baseline frame
+    from wdsdist.data.decode import codecs
+
+    class RefusesEveryRegion(codecs.NvImageCodec):  # as nvJPEG before 13.2 did: whole images from then on
+        def decode(self, datas, regions):
+            self.regions = False
+            return super().decode(datas, regions)
+
+    monkeypatch.setattr(codecs, "NvImageCodec", RefusesEveryRegion)
+    got = decoder.measure("regions", 8)
+    assert not got["ok"] and got["refused"] == 0  # every image decoded, but not as a region: it does not work
