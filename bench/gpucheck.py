@@ -159,6 +159,7 @@ class Check:
     command: str
     kit: Path = Path("gpu-kit")
     preloaded: gpucheck_fork.Preloaded | None = None  # the rehearsal's runs are forked from it
+    time_settings: bool = True  # the probe times nvImageCodec's settings (else it only picks the release)
     started: float = field(default_factory=time.perf_counter)
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     results: dict = field(default_factory=dict)
@@ -232,6 +233,9 @@ PARTS = (
 )
 
 
+GPU_DECODE_PARTS = {"c", "d", "e", "f"}  # the parts that run decode=gpu, through the probe's release
+
+
 def machine(sizes: Sizes) -> dict:
     """What the report names the machine by."""
     import torch
@@ -276,9 +280,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "a rehearsal is no measurement to keep)",
     )
     p.add_argument("--kit", default="gpu-kit", help="the kit's folder (./run reads it before this starts)")
-    p.add_argument("--keep", action="store_true", help="keep the data and run folders under /tmp")
     p.add_argument(
-        "--only", nargs="+", choices=[k for k, _, _ in PARTS], help="these parts only (data is written first)"
+        "--keep",
+        action="store_true",
+        help="keep the data and run folders under /tmp, and copy the runs' logs beside the report "
+        "(DATE-gpu-check-logs/)",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=[k for k, _, _ in PARTS],
+        help="these parts only (data is written first; on a GPU, c-f run the probe's choice of release)",
     )
     p.add_argument(
         "--decoders",
@@ -350,6 +362,26 @@ def report_folder(args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out else ROOT / ("outputs/gpu-check" if args.cpu else "bench/results")
 
 
+def keep_logs(work: Path, to: Path) -> None:
+    """Each run's output and train.log (runs/NAME.out, runs/NAME/train.log) copied under ``to``."""
+    for log in [*work.glob("runs/*.out"), *work.glob("runs/*/train.log")]:
+        target = to / log.relative_to(work / "runs")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
+def wanted_parts(args: argparse.Namespace) -> set[str]:
+    """The parts --only asks for, and the data. On a GPU the probe too where a part decodes on the
+    GPU: it installs the nvImageCodec release they use (without --only probe, it times no settings)."""
+    every = {key for key, _, _ in PARTS}
+    if args.only is None:
+        return every
+    wanted = {"data", *args.only}
+    if not args.cpu and wanted & GPU_DECODE_PARTS:
+        wanted.add("probe")
+    return wanted
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = sized(args)
@@ -364,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="wdsdist-gpu-check-"))
     command = " ".join(["./run gpu-check", *(argv if argv is not None else sys.argv[1:])])
     check = Check(sizes, work, out, command, Path(args.kit).resolve())
+    check.time_settings = args.only is None or "probe" in args.only
     check.results = {"command": command, "date": check.date, "sizes": asdict(sizes), "parts": {}}
     check.say(f"gpu-check ({'rehearsal on the CPU' if args.cpu else 'GPU'}): work in {work}, report in {out}")
     try:
@@ -376,12 +409,14 @@ def main(argv: list[str] | None = None) -> int:
             # rehearsal's CPU).
             gc.freeze()
         for key, title, fn in PARTS:
-            if args.only is None or key == "data" or key in args.only:
+            if key in wanted_parts(args):
                 run_part(check, key, title, fn)
     finally:
         if check.preloaded:
             check.preloaded.close()
-        if not args.keep:
+        if args.keep:  # the runs' logs beside the report, where a lent machine's /tmp is not
+            keep_logs(work, check.path("-logs"))
+        else:
             shutil.rmtree(work, ignore_errors=True)
     check.save(chart=True)
     failed = [k for k, p in check.results["parts"].items() if p["status"] == "failed"]

@@ -184,6 +184,9 @@ def loader_alone(check: Any, part: dict) -> None:
         part["rows"].append(row)
         if decode != "cpu" and not cuda:
             row["note"] = "rehearsal: decode=gpu's functions on CPU tensors"
+        if check.left() < sizes.loader_most_s / 2:  # not begun where it could not become steady
+            row |= {"status": "skipped", "error": f"the time budget ({sizes.budget_s:.0f} s) is spent"}
+            continue
         try:
             config = LoaderConfig(**common, **extra, workers=workers)
             row["workers_used"] = config.workers  # workers=auto: the number it came to

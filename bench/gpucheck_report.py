@@ -262,14 +262,13 @@ def settled(results: dict) -> list[str]:
     for key, part in parts.items():
         if part.get("status") in ("failed", "skipped"):
             out.append(f"- ({key}) {part['status']}: {part.get('error')}")
-    skipped = [
-        f"({key}) {' '.join(str(r[k]) for k in ('model', 'decode') if k in r)} x{r.get('workers')}"
-        for key, part in parts.items()
-        for r in part.get("rows", [])
-        if r.get("status") == "skipped"
-    ]
-    if skipped:
-        out.append(f"- Not run here: {', '.join(skipped)} (GPU decode needs CUDA).")
+    skipped: dict[str, list[str]] = {}  # why: the rows not run for it
+    for key, part in parts.items():
+        for r in part.get("rows", []):
+            if r.get("status") == "skipped":
+                name = f"({key}) {' '.join(str(r[k]) for k in ('model', 'decode') if k in r)} x{r.get('workers')}"
+                skipped.setdefault(r.get("error") or "?", []).append(name)
+    out += [f"- Not run here, {why}: {', '.join(names)}." for why, names in skipped.items()]
     return out or ["- Nothing yet."]
 
 

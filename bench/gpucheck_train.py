@@ -356,6 +356,9 @@ def imagenet_size(check: Any, part: dict) -> None:
             if decode != "cpu" and check.cpu:
                 row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
                 continue
+            if check.left() < 30:  # a row needs its warm-up and steady steps: none begun so late
+                row |= {"status": "skipped", "error": f"the time budget ({sizes.budget_s:.0f} s) is spent"}
+                continue
             extra = [f"trainer.workers={workers}"] + [f"loader.{k}={v}" for k, v in options.items()]
             name = f"c-{model}-{re.sub(r'[^a-z0-9]+', '-', decode)}-{workers}"
             result = train_py(check, name, common + extra, sizes.warmup)

@@ -307,6 +307,20 @@ def test_part_d_times_a_row_until_its_rate_is_steady():
     assert not got["steady"] and 5.0 <= got["timed_s"] < 5.5
 
 
+def test_a_gpu_run_of_parts_that_decode_on_the_gpu_installs_the_probes_release_first():
+    check = load("gpucheck")
+    for argv, parts, timed in (
+        (["--only", "c", "f"], {"data", "probe", "c", "f"}, False),  # the release, its settings untimed
+        (["--only", "probe", "c"], {"data", "probe", "c"}, True),
+        (["--only", "a", "b"], {"data", "a", "b"}, False),  # no GPU decode: no probe
+        (["--cpu", "--only", "c"], {"data", "c"}, False),  # a rehearsal probes nothing
+    ):
+        args = check.parse_args(argv)
+        assert check.wanted_parts(args) == parts, argv
+        assert (args.only is None or "probe" in args.only) == timed
+    assert check.wanted_parts(check.parse_args([])) == {key for key, _, _ in check.PARTS}
+
+
 def test_the_probe_names_the_fastest_setting_with_libjpegs_pixels_and_skips_rows_without_pixels(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     decoder = load("gpucheck_decoder")
@@ -336,6 +350,19 @@ def test_the_probe_names_the_fastest_setting_with_libjpegs_pixels_and_skips_rows
     decoder.settings(Check(), part, {"site": "/nowhere"})
     assert part["best"] == "hw" and part["verdict"].endswith("fastest alone: hw (9.0 ms per 256 crops)")
     assert len(part["timing"]) == 5
+
+
+def test_keep_brings_each_runs_output_and_log_beside_the_report(tmp_path):
+    check = load("gpucheck")
+    runs = tmp_path / "work" / "runs"
+    (runs / "c-resnet18-cpu-auto").mkdir(parents=True)
+    (runs / "c-resnet18-cpu-auto.out").write_text("out\n")
+    (runs / "c-resnet18-cpu-auto" / "train.log").write_text("log\n")
+    (runs / "c-resnet18-cpu-auto" / "ckpt.pt").write_bytes(b"x" * 10)  # not a log: left behind
+    check.keep_logs(tmp_path / "work", tmp_path / "logs")
+    kept = sorted(str(p.relative_to(tmp_path / "logs")) for p in (tmp_path / "logs").rglob("*") if p.is_file())
+    assert kept == ["c-resnet18-cpu-auto.out", "c-resnet18-cpu-auto/train.log"]
+    assert (tmp_path / "logs" / "c-resnet18-cpu-auto" / "train.log").read_text() == "log\n"
 
 
 def test_the_probe_decodes_regions_whole_images_and_progressive_jpegs_and_fails_regions_turned_off(monkeypatch):
