@@ -155,6 +155,7 @@ def measure(mode: str, images: int = IMAGES) -> dict:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from wdsdist.data.decode.codecs import NvImageCodec
+    from wdsdist.data.decode.resize import region_of
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -187,9 +188,7 @@ def measure(mode: str, images: int = IMAGES) -> dict:
             continue
         top, left, h, w = region
         want = image[:, top : top + h, left : left + w]
-        rows = src[place.start : place.start + (place.height - 1) * place.stride + place.width * 3]
-        got = rows.as_strided((3, place.height, place.width), (1, place.stride, 3))
-        d = (got.int() - want.int()).abs().flatten()
+        d = (region_of(src, place).int() - want.int()).abs().flatten()
         diffs.append(d)
         worst = max(worst, int(d.max()))
     every = torch.cat(diffs).float() if diffs else torch.zeros(1)
@@ -305,6 +304,8 @@ def _time_one(codec, tensors, regions, wants) -> dict:
 
     import torch
 
+    from wdsdist.data.decode.resize import region_of
+
     first = []
     plain = codec._whole_for_refused
 
@@ -325,9 +326,7 @@ def _time_one(codec, tensors, regions, wants) -> dict:
     diffs = []
     for want, place in zip(wants, places, strict=True):
         if place is not None:
-            rows = src[place.start : place.start + (place.height - 1) * place.stride + place.width * 3]
-            got = rows.as_strided((3, place.height, place.width), (1, place.stride, 3))
-            diffs.append((got.int() - want.int()).abs().flatten()[::7].float())
+            diffs.append((region_of(src, place).int() - want.int()).abs().flatten()[::7].float())
     every = torch.cat(diffs) if diffs else torch.zeros(1, device=src.device)
     refused = sum(p is None for p in places)
     return {
