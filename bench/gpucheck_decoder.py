@@ -105,6 +105,9 @@ def probe(check: Any, part: dict) -> None:
     sys.path.append(chosen["site"])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), chosen["site"]) if p)
     part["verdict"] = f"nvImageCodec {chosen['release']} is used for the other parts"
+    said = chosen.get("progressive", {})
+    if "images" in said:  # those it refuses go to libjpeg, on the decode thread
+        part["verdict"] += f"; it refused {said['refused']} of {said['images']} progressive JPEGs"
     if check.time_settings:
         settings(check, part, chosen)
     else:
