@@ -294,6 +294,6 @@ def test_buffers_take_memory_only_when_a_worker_writes_them_and_forked_writes_ar
     _, status = os.waitpid(pid, 0)
     k = os.waitstatus_to_exitcode(status)
     assert k == 0  # the lowest free buffer
-    batch = shared.claim((0, 1, k, 5))
+    batch = shared.claim((0, 1, k, 5, 224))
     assert tuple(batch.shape) == (5, 3, 224, 224) and bool((batch == 9).all())
     assert not bool(shared.buffers[0][1].any())  # another buffer: untouched, zero

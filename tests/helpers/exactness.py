@@ -21,6 +21,7 @@ import gc
 import io
 import itertools
 import warnings
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ class Sequence:
     shards: Shards
     mix: object  # the Loader's Mix, or None
     cache: dict[int, tuple[int, list[int], object]] = field(default_factory=dict)
+    pixels: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, tag) -> its pixels' CRC, as delivered
 
     def _epoch(self, epoch: int) -> tuple[int, list[int], object]:
         if epoch not in self.cache:
@@ -149,6 +151,8 @@ class Got:
     labels: tuple[int, ...]
     epochs: tuple[int, ...]
     sources: tuple[int, ...] | None
+    pixels: tuple[int, ...]  # a CRC of each row's pixels: its crop's and augmentations' draws
+    size: int
 
 
 def got(batch: dict) -> Got:
@@ -157,7 +161,9 @@ def got(batch: dict) -> Got:
     workers = {w for _, w, _ in ids}
     assert len(workers) == 1, f"a batch holds rows of workers {sorted(workers)}"
     sources = tuple(batch["source"].tolist()) if "source" in batch else None
-    return Got(epochs[0], workers.pop(), tuple(batch["pos"].tolist()), tuple(batch["label"].tolist()), epochs, sources)
+    pixels = tuple(zlib.crc32(image.contiguous().numpy().tobytes()) for image in batch["image"])
+    tags, labels = tuple(batch["pos"].tolist()), tuple(batch["label"].tolist())
+    return Got(epochs[0], workers.pop(), tags, labels, epochs, sources, pixels, batch["image"].shape[-1])
 
 
 @dataclass
@@ -297,6 +303,22 @@ def check_coverage(case: Case, seq: Sequence, delivered: dict[int, list[int]], e
             assert all(t < n for t in tags) and len(tags) == len(set(tags)), f"epoch {epoch}: drop repeated one"
 
 
+def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict[tuple[int, int], int]) -> None:
+    """Each batch at its planned size (the size schedule: by epoch, or by the rank's batches since
+    the run began); with split=samples, a sample's pixels the same whenever and wherever it is
+    delivered (its draws come from its epoch and position: seeds.sample_draws)."""
+    for rank, run in enumerate(runs):
+        for i, g in enumerate(run.steps):
+            want = case.size_at(g.epoch, steps_taken + i)
+            assert g.size == want, (
+                f"rank {rank} batch {steps_taken + i} (epoch {g.epoch}): size {g.size}, planned {want}"
+            )
+            if case.split != "samples":
+                continue
+            for e, t, crc in zip(g.epochs, g.tags, g.pixels, strict=True):
+                assert pixels.setdefault((e, t), crc) == crc, f"epoch {e} position {t}: other pixels than before"
+
+
 # ---------------------------------------------------------------- a case, from start to end
 
 
@@ -358,6 +380,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 straight = previous[1][rank].steps[previous[2] :]
                 n = min(len(straight), len(run.steps))
                 assert run.steps[:n] == straight[:n], f"rank {rank}: the resumed run left the uninterrupted one"
+        check_pixels(case, runs, steps_taken, seq.pixels)
         for rank, run in enumerate(runs):  # what was delivered up to the checkpoint (all, in the last part)
             layout.since[rank] += run.steps[:stop]
             for g in run.steps[:stop]:

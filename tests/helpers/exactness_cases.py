@@ -39,12 +39,24 @@ class Case:
     seed: int
     epoch_samples: int | None
     layouts: tuple[tuple[int, int], ...]  # (ranks, workers) of each part of the run
+    augment: str = "none"  # data.augment
+    erase: float = 0.0  # data.random_erase
+    sizes: tuple[tuple[int, int], ...] = ()  # loader.size_schedule: (from, size), from epochs or batches
 
     def config(self, workers: int) -> LoaderConfig:
         return LoaderConfig(
             batch_size=self.batch, workers=workers, mode=self.mode, split=self.split, remainder=self.remainder,
-            shuffle_buffer=self.buffer, seed=self.seed, image_size=8, mix=self.mix, epoch_samples=self.epoch_samples,
+            shuffle_buffer=self.buffer, seed=self.seed, image_size=self.size_at(0, 10**9), mix=self.mix,
+            epoch_samples=self.epoch_samples, augment=self.augment, random_erase=self.erase, size_schedule=self.sizes,
         )  # fmt: skip
+
+    def size_at(self, epoch: int, batch: int) -> int:
+        """The size of a rank's batch: by its epoch in epoch mode, else by its number since the run
+        began (the largest size where ``batch`` is huge: the config's image_size)."""
+        if not self.sizes:
+            return 8
+        at = epoch if self.mode == "epoch" else batch
+        return max(size for _, size in self.sizes) if batch >= 10**9 else [s for f, s in self.sizes if f <= at][-1]
 
 
 def _fixed(data: Data) -> int:
@@ -60,7 +72,8 @@ def _fixed(data: Data) -> int:
 def cases(draw: Callable) -> Case:
     """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
     buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
-    weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too."""
+    weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too; the
+    recipe's augmentations (a policy, random erasing) and a size schedule."""
     several = draw(st.integers(1, 3))
     data = []
     for _ in range(several):
@@ -101,15 +114,32 @@ def cases(draw: Callable) -> Case:
         layouts.append((world, workers))
     span = max(1, sum(sum(d.counts) for d in data) // (layouts[0][0] * max(layouts[0][1], 1)))
     buffer = draw(st.one_of(st.just(0), st.integers(1, 2 * span)))
+    remainder = draw(st.sampled_from(["pad", "drop"]))  # drawn in this order since the first cases
+    mix = draw(st.sampled_from(["sample", "stratified"])) if several > 1 else "sample"
     return Case(
         data=tuple(data),
         batch=batch,
         buffer=buffer,
-        remainder=draw(st.sampled_from(["pad", "drop"])),
+        remainder=remainder,
         mode=mode,
         split=split,
-        mix=draw(st.sampled_from(["sample", "stratified"])) if several > 1 else "sample",
+        mix=mix,
         seed=draw(st.integers(0, 999)),
         epoch_samples=epoch_samples,
         layouts=tuple(layouts),
+        **draw(recipe(mode, mix)),
     )
+
+
+@st.composite
+def recipe(draw: Callable, mode: str, mix: str) -> dict:
+    """The recipe's options a case draws: an augmentation policy, random erasing, and a size
+    schedule (two sizes; in repeat mode only where each batch comes from one worker)."""
+    sizes: tuple[tuple[int, int], ...] = ()
+    if draw(st.booleans()) and (mode == "epoch" or mix == "sample"):
+        sizes = ((0, 8), (draw(st.integers(1, 2 if mode == "epoch" else 12)), 12))
+    return {
+        "augment": draw(st.sampled_from(["none", "none", "trivialaugment", "randaugment", "autoaugment"])),
+        "erase": draw(st.sampled_from([0.0, 0.0, 0.5])),
+        "sizes": sizes,
+    }

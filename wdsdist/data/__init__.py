@@ -20,14 +20,14 @@ _EXPORTS = {
     "EvalLoader": ("wdsdist.data.loader", "EvalLoader"),
     "Loader": ("wdsdist.data.loader", "Loader"),
     "LoaderConfig": ("wdsdist.data.options", "LoaderConfig"),
-    "LoaderMode": ("wdsdist.data.options", "LoaderMode"),
+    "LoaderMode": ("wdsdist.data.rules", "LoaderMode"),
     "Plan": ("wdsdist.data.plan.splits", "Plan"),
-    "Remainder": ("wdsdist.data.options", "Remainder"),
+    "Remainder": ("wdsdist.data.rules", "Remainder"),
     "SampleOptions": ("wdsdist.data.options", "SampleOptions"),
     "Shard": ("wdsdist.data.sources.shard", "Shard"),
     "ShardSpec": ("wdsdist.data.loader", "ShardSpec"),
     "Source": ("wdsdist.data.options", "Source"),
-    "Split": ("wdsdist.data.options", "Split"),
+    "Split": ("wdsdist.data.rules", "Split"),
     "StreamOptions": ("wdsdist.data.options", "StreamOptions"),
     "Transform": ("wdsdist.data.loader", "Transform"),
     "UserError": ("wdsdist.errors", "UserError"),
@@ -35,7 +35,7 @@ _EXPORTS = {
     "decode_eval": ("wdsdist.data.delivery.pipeline", "decode_eval"),
     "expand_shards": ("wdsdist.data.delivery.pipeline", "expand_shards"),
     "index_classes": ("wdsdist.data.delivery.pipeline", "index_classes"),
-    "option_problems": ("wdsdist.data.options", "option_problems"),
+    "option_problems": ("wdsdist.data.rules", "option_problems"),
     "pin_spec": ("wdsdist.data.sources.resolve", "pin_spec"),
 }
 __all__ = [
@@ -66,17 +66,9 @@ __all__ = [
 if TYPE_CHECKING:
     from wdsdist.data.delivery.pipeline import decode_eval, expand_shards, index_classes
     from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
-    from wdsdist.data.options import (
-        LoaderConfig,
-        LoaderMode,
-        Remainder,
-        SampleOptions,
-        Source,
-        Split,
-        StreamOptions,
-        option_problems,
-    )
+    from wdsdist.data.options import LoaderConfig, SampleOptions, Source, StreamOptions
     from wdsdist.data.plan.splits import Plan
+    from wdsdist.data.rules import LoaderMode, Remainder, Split, option_problems
     from wdsdist.data.sources.cache import CACHE_COUNTS
     from wdsdist.data.sources.resolve import pin_spec
     from wdsdist.data.sources.shard import Shard

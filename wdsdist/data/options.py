@@ -1,56 +1,34 @@
-"""The loader's typed config, and every rule on it, in one place.
+"""The loader's typed config.
 
 ``SampleOptions`` and ``StreamOptions`` are also the trainer's ``data`` and ``loader`` sections:
 its Hydra schema (train/config.py) extends them, so each field, its type and its default are
-written once, here. ``problems`` checks the rules alike on a LoaderConfig, on the Hydra
-sections before anything starts, and (``parse_nbatches``) in the planner and simdist's arguments.
+written once, here. The values each may take and every rule on them are rules.py's; a
+LoaderConfig checks them when it is made.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from enum import StrEnum
 from typing import Any
 
 from wdsdist.data.autos import auto_decode
 from wdsdist.data.cores import AUTO, auto_workers
+from wdsdist.data.rules import (
+    EVAL_RATIO,
+    LOADER_RULES,
+    MODES,
+    LoaderMode,
+    Remainder,
+    Split,
+    parse_bytes,
+    parse_nbatches,
+    parse_workers,
+    problems,
+    samples_split,
+)
 from wdsdist.data.sources import httpopen
 from wdsdist.data.sources.access import Access
 from wdsdist.errors import UserError
-
-
-class LoaderMode(StrEnum):
-    repeat = "repeat"  # epochless: each worker runs from epoch to epoch, the trainer counts steps
-    epoch = "epoch"  # epochs of equal batch counts on every rank (cut to nbatches)
-    resampled = "resampled"  # shards drawn with replacement per rank and worker
-
-
-MODES = tuple(m.value for m in LoaderMode)
-
-
-class Split(StrEnum):
-    shards = "shards"  # whole shards per rank and worker (shards[rank::world][worker::nworkers])
-    samples = "samples"  # the epoch's sample sequence cut into equal spans per rank and worker
-
-
-class Remainder(StrEnum):
-    pad = "pad"  # split=samples: the epoch's first samples again, up to a multiple of world x batch_size
-    drop = "drop"  # split=samples: the epoch's last samples left out, down to such a multiple
-
-
-class ShardOrder(StrEnum):
-    # Hydra takes an enum by its members' names, and "global" is a keyword: the field is a str.
-    global_ = "global"  # split=samples: all shards in one order, new every epoch (seed + epoch)
-    node = "node"  # split=samples: each node keeps the same samples across epochs (order.node_parts)
-
-
-SHARD_ORDERS = tuple(o.value for o in ShardOrder)
-MIXES = ("sample", "stratified")
-DECODES = ("cpu", "gpu", "auto")
-GPU_DECODERS = ("auto", "nvimgcodec", "torchvision")
 
 
 @dataclass(frozen=True)
@@ -66,13 +44,6 @@ class Source:
     weight: float | None = None
     repeat: float | None = None
     samples: int | None = None
-
-
-def default_split(mode: str, dsrepeat: int = 1) -> Split:
-    """loader.split when not given: samples in epoch mode (every sample once, equal batches), except
-    with dsrepeat, the shard split's own remedy; shards in repeat mode (see docs/equal-batches.md)
-    and resampled mode (shards drawn at random)."""
-    return Split.samples if mode == LoaderMode.epoch and dsrepeat == 1 else Split.shards
 
 
 @dataclass(kw_only=True)
@@ -112,6 +83,26 @@ class SampleOptions:
     """The store for gs://; None: https://storage.googleapis.com (Cloud Storage's S3 API)."""
     epoch_samples: int | None = None
     """Several data sets with weights (``Source``): the mixed epoch's samples (plan/mix.py)."""
+    augment: str = "none"
+    """A training image's augmentation after its crop and flip, on the uint8 crop in the worker:
+    ``none``, ``trivialaugment`` (TrivialAugment Wide), ``randaugment`` (``augment_n`` ops of
+    magnitude ``augment_m``) or ``autoaugment`` (ImageNet's policy); torchvision's own ops, drawn
+    from the sample's own generator (decode/augment.py)."""
+    augment_n: int = 2
+    """augment=randaugment: ops per image."""
+    augment_m: int = 9
+    """augment=randaugment: their magnitude, of 31 steps (0-30)."""
+    random_erase: float = 0.0
+    """The chance that a training image has a random rectangle erased to the mean colour
+    (torchvision's RandomErasing after normalisation, as its reference and timm use it)."""
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    """The data's mean colour on the 0-1 scale (what random_erase fills with; the trainer also
+    normalises with it)."""
+    eval_size: int | None = None
+    """Evaluation's centre crop, in pixels; None: image_size (the largest of a schedule)."""
+    eval_resize: int | None = None
+    """Evaluation resizes the shorter side to this before the centre crop; None: eval_size / 0.875
+    (FixRes: train at 176, evaluate at 224 resized to 232)."""
 
 
 @dataclass(kw_only=True)
@@ -215,6 +206,12 @@ class LoaderConfig(SampleOptions, StreamOptions):
     node_ranks: int = 1
     """Ranks that share a node, and so its cache (torchrun's LOCAL_WORLD_SIZE, given by the
     caller): shard_order=node keeps shards per node of these."""
+    size_schedule: tuple[tuple[int, int], ...] = ()
+    """Progressive resizing: ``((from, size), ...)``, the training images' size from each ``from``
+    on, the first from 0; ``image_size`` is the largest (the buffers' size). ``from`` counts
+    epochs in epoch mode (a size holds for whole epochs) and, in repeat and resampled mode, the
+    rank's batches since the run began (``Loader.steps``, carried across a resume), so every rank
+    switches at the same batch. Empty: ``image_size`` throughout."""
 
     workers_why: str | None = field(default=None, init=False)
     """How ``workers="auto"`` was resolved, in words (None: the number was given)."""
@@ -228,6 +225,8 @@ class LoaderConfig(SampleOptions, StreamOptions):
         self.split = Split(self.split) if self.split is not None else None
         self.remainder = Remainder(self.remainder)
         self.crop_scale = tuple(self.crop_scale)  # type: ignore[assignment]
+        self.mean = tuple(self.mean)  # type: ignore[assignment]
+        self.size_schedule = tuple((int(a), int(b)) for a, b in self.size_schedule)
         if self.decode == AUTO:
             self.decode, self.decode_why = auto_decode(self)
         problem = next(problems(self, LOADER_RULES), None)
@@ -273,7 +272,13 @@ class LoaderConfig(SampleOptions, StreamOptions):
     @property
     def by_samples(self) -> bool:
         """split=samples in effect: given, or the default for this mode (``default_split``)."""
-        return _samples_split(self)
+        return samples_split(self)
+
+    @property
+    def eval_crop(self) -> tuple[int, int]:
+        """Evaluation's (resize of the shorter side, centre crop), in pixels."""
+        size = self.eval_size or self.image_size
+        return self.eval_resize or round(size / EVAL_RATIO), size
 
     @property
     def rebatch(self) -> bool:
@@ -283,182 +288,3 @@ class LoaderConfig(SampleOptions, StreamOptions):
     def wanted_suffixes(self) -> frozenset[str]:
         """The members a sample is read for; others are skipped unread."""
         return frozenset(k.lower() for k in f"{self.image_key};{self.label_key}".split(";") if k)
-
-
-# ---------------------------------------------------------------- the rules, each once
-
-
-def parse_nbatches(value: int | str | None) -> int | str | None:
-    """The cut as the planner takes it: None, "auto", or an int >= 1 (given as an int or its
-    digits). Raises ValueError saying what is wrong."""
-    if value is None or value == "auto":
-        return value
-    return _count(value, 1)
-
-
-def parse_workers(value: Any) -> int | str:
-    """``workers`` as the loader takes it: "auto" (cores.auto_workers) or an int >= 0 (given as
-    an int or its digits). Raises ValueError saying what is wrong."""
-    return AUTO if value == AUTO else _count(value, 0)
-
-
-def _count(value: Any, least: int) -> int:
-    """An int >= ``least``, given as an int or its digits, where "auto" is the other choice."""
-    try:
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"expected an integer or auto, got {value!r}") from None
-    if number < least:
-        raise ValueError(f"must be >= {least} or auto, got {value}")
-    return number
-
-
-_UNITS = {"": 1, "b": 1} | {
-    f"{prefix}{suffix}": base**power
-    for power, prefix in enumerate("kmgtp", start=1)
-    for suffix, base in (("b", 1000), ("ib", 1024))
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*")
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """A size in bytes as the cache takes it: None, or an int >= 1, given as an int, its digits, or
-    a number with a unit (KB, MB, GB, TB, PB: powers of 1000; KiB, MiB, GiB, TiB, PiB: of 1024;
-    any case). Raises ValueError saying what is wrong."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected bytes, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    else:
-        match = _SIZE.fullmatch(value.lower())
-        if match is None or match.group(2) not in _UNITS:
-            raise ValueError(f"expected bytes such as 200GB or 500MiB, got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if number < 1:
-        raise ValueError(f"must be >= 1 byte, got {value!r}")
-    return number
-
-
-def _bytes_ok(value: Any) -> bool:
-    try:
-        parse_bytes(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _nbatches_ok(value: Any) -> bool:
-    try:
-        parse_nbatches(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _workers_ok(value: Any) -> bool:
-    try:
-        parse_workers(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _samples_split(o: Any) -> bool:
-    """split=samples in effect on a section, a LoaderConfig or a Hydra node: given, or the default
-    for its mode (``default_split``); never in resampled mode."""
-    return o.mode != LoaderMode.resampled and (o.split or default_split(o.mode, o.dsrepeat)) == Split.samples
-
-
-def _crop_scale_ok(scale: Any) -> bool:
-    return len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1
-
-
-# (field, test, what it must be), in the order they are checked; a test sees the whole section.
-Rule = tuple[str, Callable[[Any], bool], str]
-BATCH_RULES: tuple[Rule, ...] = (
-    ("batch_size", lambda o: o.batch_size >= 1, "must be >= 1"),
-    ("workers", lambda o: _workers_ok(o.workers), "an integer >= 0 or auto"),
-)
-SAMPLE_RULES: tuple[Rule, ...] = (
-    ("image_size", lambda o: o.image_size >= 8, "must be >= 8"),
-    ("crop_scale", lambda o: _crop_scale_ok(o.crop_scale), "[lo, hi] in (0, 1]"),
-    ("num_classes", lambda o: o.num_classes is None or o.num_classes >= 2, "must be >= 2"),
-    ("max_pixels", lambda o: o.max_pixels >= 1, "must be >= 1"),
-    ("max_member_bytes", lambda o: o.max_member_bytes >= 1, "must be >= 1"),
-    ("http_timeout", lambda o: o.http_timeout > 0, "must be > 0 (seconds)"),
-    ("http_min_rate", lambda o: o.http_min_rate >= 0, "must be >= 0 (bytes/s; 0: no rate check)"),
-    ("http_retry_s", lambda o: 0 <= o.http_retry_s < math.inf, "must be >= 0 and finite (seconds; 0: no retry)"),
-)
-STREAM_RULES: tuple[Rule, ...] = (
-    ("dsrepeat", lambda o: o.dsrepeat >= 1, "must be >= 1"),
-    ("shuffle_buffer", lambda o: o.shuffle_buffer >= 0, "must be >= 0"),
-    ("cross_shuffle", lambda o: o.cross_shuffle >= 0, "must be >= 0"),
-    ("prefetch", lambda o: o.prefetch >= 1, "must be >= 1"),
-    ("nbatches", lambda o: _nbatches_ok(o.nbatches), "an integer >= 1 or auto"),
-    ("nbatches", lambda o: o.nbatches is None or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
-    ("dsrepeat", lambda o: o.dsrepeat == 1 or o.mode == LoaderMode.epoch, "only applies to loader.mode=epoch"),
-    ("split", lambda o: o.split in (None, *Split), "shards or samples"),
-    ("remainder", lambda o: o.remainder in tuple(Remainder), "pad or drop"),
-    (
-        "split",
-        lambda o: o.split != Split.samples or o.mode != LoaderMode.resampled,
-        "does not apply to loader.mode=resampled",
-    ),
-    ("dsrepeat", lambda o: o.dsrepeat == 1 or o.split != Split.samples, "only applies to loader.split=shards"),
-    ("cache_dir", lambda o: o.cache_dir is None or o.cache_dir.strip() != "", "a folder, or null for no cache"),
-    ("cache_limit", lambda o: _bytes_ok(o.cache_limit), "bytes >= 1: an integer, or a size such as 200GB or 500MiB"),
-    ("cache_limit", lambda o: o.cache_limit is None or o.cache_dir is not None, "needs loader.cache_dir"),
-    ("cache_ahead", lambda o: o.cache_ahead >= 0, "must be >= 0 (shards; 0: no read-ahead)"),
-    ("shard_order", lambda o: o.shard_order in SHARD_ORDERS, "global or node"),
-    (
-        "shard_order",
-        lambda o: o.shard_order != ShardOrder.node or _samples_split(o),
-        "only applies with loader.split=samples (the epoch default; give it in repeat mode)",
-    ),
-)
-MIX_RULES: tuple[Rule, ...] = (("mix", lambda o: o.mix in MIXES, "sample or stratified"),)
-DECODE_RULES: tuple[Rule, ...] = (
-    ("decode", lambda o: o.decode in DECODES, "cpu, gpu or auto"),
-    ("gpu_decoder", lambda o: o.gpu_decoder in GPU_DECODERS, "auto, nvimgcodec or torchvision"),
-    ("gpu_decode_threads", lambda o: isinstance(o.gpu_decode_threads, int) and o.gpu_decode_threads >= 1, "1 or more"),
-    ("gpu_decode_share", lambda o: 0.0 <= o.gpu_decode_share <= 1.0, "a share between 0 and 1"),
-    (
-        "decode",
-        lambda o: o.decode != "gpu" or o.cross_shuffle == 0,
-        "gpu does not apply with loader.cross_shuffle (the workers' batches hold bytes, not images)",
-    ),
-    (
-        "decode",
-        lambda o: o.decode != "gpu" or not o.decode_downscale,
-        "gpu does not apply with loader.decode_downscale (a CPU decoder's option)",
-    ),
-)
-STREAM_RULES += MIX_RULES + DECODE_RULES
-LAYOUT_RULES: tuple[Rule, ...] = (("node_ranks", lambda o: o.node_ranks >= 1, "must be >= 1"),)
-LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES
-
-
-def problems(section: Any, rules: tuple[Rule, ...], prefix: str = "") -> Iterator[str]:
-    """``key=value: rule`` for each of ``rules`` that ``section`` breaks (a dataclass or its
-    Hydra node; ``prefix`` names the section in config terms, e.g. ``loader.``)."""
-    for name, ok, rule in rules:
-        if not ok(section):
-            yield f"{prefix}{name}={getattr(section, name)}: {rule}"
-
-
-def option_problems(*, batch: Any = None, sample: Any = None, stream: Any = None) -> Iterator[str]:
-    """Every rule of the loader's that these sections break, as ``key=value: rule`` lines named in
-    a trainer's config terms: ``batch`` holds batch_size and workers (``trainer.``), ``sample``
-    extends SampleOptions (``data.``), ``stream`` extends StreamOptions (``loader.``). A
-    LoaderConfig checks the same rules itself when it is made."""
-    for section, rules, prefix in (
-        (batch, BATCH_RULES, "trainer."),
-        (sample, SAMPLE_RULES, "data."),
-        (stream, STREAM_RULES, "loader."),
-    ):
-        if section is not None:
-            yield from problems(section, rules, prefix)

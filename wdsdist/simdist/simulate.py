@@ -10,9 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from wdsdist.data.options import SHARD_ORDERS, parse_nbatches
 from wdsdist.data.plan.order import order_nodes
 from wdsdist.data.plan.splits import REMAINDERS, Plan, RankPlan, plan, plan_samples
+from wdsdist.data.rules import SHARD_ORDERS, parse_nbatches
 from wdsdist.data.sources.shardspec import Access
 from wdsdist.errors import UserError
 from wdsdist.simdist.layouts import IMAGE_SIZE, Layout

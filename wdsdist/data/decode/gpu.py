@@ -128,8 +128,10 @@ class BatchDecoder:
     its own thread, the rest being nvImageCodec's threads, the JPEG engines or the GIL) and the
     batches they cover."""
 
-    def __init__(self, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
-        self.size, self.device, self.train = size, device, train
+    def __init__(
+        self, size: int, device: torch.device, train: bool = True, engine: str = "auto", short_side: int | None = None
+    ):
+        self.size, self.device, self.train, self.short_side = size, device, train, short_side
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.codec = codecs.choose(device, self.stream, engine)
         self.resize = BatchResize(size, device)
@@ -251,15 +253,25 @@ class BatchDecoder:
         return out, failed
 
     def _geometry(self, box: Sequence[int]) -> Geometry:
-        return train_geometry(self.size, box[4]) if self.train else eval_geometry(box[2], box[3], self.size)
+        if self.train:
+            return train_geometry(self.size, box[4])
+        return eval_geometry(box[2], box[3], self.size, self.short_side)
 
 
 class Decoders:
     """decode=gpu's decoders, one per decode thread (loader.gpu_decode_threads; gpubatches.py
     runs each on a thread of its own): their counts and host time added up."""
 
-    def __init__(self, threads: int, size: int, device: torch.device, train: bool = True, engine: str = "auto"):
-        self.all = [BatchDecoder(size, device, train, engine) for _ in range(threads)]
+    def __init__(
+        self,
+        threads: int,
+        size: int,
+        device: torch.device,
+        train: bool = True,
+        engine: str = "auto",
+        short_side: int | None = None,
+    ):
+        self.all = [BatchDecoder(size, device, train, engine, short_side) for _ in range(threads)]
 
     @property
     def pairs(self) -> list[tuple]:

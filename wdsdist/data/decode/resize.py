@@ -54,9 +54,10 @@ def train_geometry(size: int, flip: int) -> Geometry:
     return Geometry(size, size, 0, 0, int(flip))
 
 
-def eval_geometry(height: int, width: int, size: int) -> Geometry:
-    """v2.Resize(round(size / 0.875)) then v2.CenterCrop(size), as torchvision computes them."""
-    short_side = round(size / EVAL_RATIO)
+def eval_geometry(height: int, width: int, size: int, short_side: int | None = None) -> Geometry:
+    """v2.Resize(short_side) then v2.CenterCrop(size), as torchvision computes them; short_side by
+    default round(size / 0.875) (the loader's data.eval_resize otherwise)."""
+    short_side = short_side or round(size / EVAL_RATIO)
     short, long = (width, height) if width <= height else (height, width)
     new_long = int(short_side * long / short)
     tgt_w, tgt_h = (short_side, new_long) if width <= height else (new_long, short_side)

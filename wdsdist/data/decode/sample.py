@@ -20,6 +20,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
+from wdsdist.data.decode import augment as augments
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.gpu import Drawn, gpu_takes
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError
@@ -42,13 +43,23 @@ def _find(sample: dict, keys: str) -> Any:
     return None
 
 
-def make_transform(cfg: LoaderConfig) -> v2.Transform:
-    size = cfg.image_size
+def make_transform(cfg: LoaderConfig, size: int | None = None) -> v2.Transform:
+    """Training: RandomResizedCrop to ``size`` (default: image_size) and a flip; evaluation:
+    resize the shorter side and centre-crop (LoaderConfig.eval_crop)."""
     if cfg.train:
+        size = size or cfg.image_size
         return v2.Compose(
             [v2.RandomResizedCrop(size, scale=tuple(cfg.crop_scale), antialias=True), v2.RandomHorizontalFlip()]
         )
-    return v2.Compose([v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
+    resize, crop = cfg.eval_crop
+    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
+
+
+def make_augment(cfg: LoaderConfig, size: int) -> augments.SampleAugment | None:
+    """The training images' augmentations after the crop (data.augment, data.random_erase), or None."""
+    if not cfg.train or not augments.SampleAugment.wanted(cfg.augment, cfg.random_erase):
+        return None
+    return augments.SampleAugment(cfg.augment, cfg.augment_n, cfg.augment_m, cfg.random_erase, cfg.mean, size)
 
 
 # Not JPEG: decoded by PIL, whose decoders raise on damaged data where torchvision's libpng path
@@ -97,6 +108,25 @@ def decode_sample(
 
 
 @dataclass(frozen=True)
+class Augmented:
+    """A sample's pixels with its augmentation draws applied (SampleAugment.apply): drawn in the
+    stream's order, applied when the pixels are made."""
+
+    make: Callable[[], tuple[torch.Tensor, int]]
+    augment: augments.SampleAugment
+    drawn: augments.Drawn
+
+    def __call__(self) -> tuple[torch.Tensor, int]:
+        image, label = self.make()
+        return self.augment.apply(image, self.drawn), label
+
+
+def _augmented(make: Callable, augment: augments.SampleAugment | None) -> Callable:
+    """``make`` with the augmentations drawn now (after its crop's draws), or ``make`` itself."""
+    return make if augment is None else Augmented(make, augment, augment.draw())
+
+
+@dataclass(frozen=True)
 class RegionJob:
     """A JPEG whose crop and flip are drawn; calling it makes the pixels (CropDecoder.render:
     jpegcrop's region decode, else torchvision's whole decode)."""
@@ -119,6 +149,7 @@ def prepare_sample(
     transform: v2.Transform,
     crop: CropDecoder | None = None,
     draw: Callable[[int, int], tuple[dict, bool]] | None = None,
+    augment: augments.SampleAugment | None = None,
 ) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
     """decode_sample in two steps. This one checks the sample and makes its random draws, so it
     runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns (a
@@ -126,7 +157,8 @@ def prepare_sample(
     at once (the worker's first batch: warmstart.py). Other images are decoded here. Either step
     raises DataError naming the shard and key. With ``draw`` (loader.decode=gpu), a JPEG that the
     GPU decoder takes comes out undecoded, as a gpu.Drawn with the crop and flip ``draw`` made,
-    where the CPU path makes the same draws (decode/gpu.py)."""
+    where the CPU path makes the same draws (decode/gpu.py). With ``augment``, its draws follow
+    the crop's, and the function applies them to the crop (decode/augment.py)."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
@@ -145,7 +177,7 @@ def prepare_sample(
         raise DataError(f"{where}: label {value} is outside 0..{cfg.num_classes - 1} (num_classes={cfg.num_classes})")
     data = bytes(data)
     if not data.startswith(jpegcrop.JPEG_MAGIC):
-        return _ready(transform(_decode_other(data, where, cfg.max_pixels)), value)
+        return _augmented(_ready(transform(_decode_other(data, where, cfg.max_pixels)), value), augment)
 
     def whole() -> torch.Tensor:
         try:
@@ -160,8 +192,8 @@ def prepare_sample(
         p, flip = draw(width, height)
         return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
     if region:
-        return RegionJob(crop, data, width, height, crop.draw(width, height), whole, value)
-    return _ready(transform(whole()), value)
+        return _augmented(RegionJob(crop, data, width, height, crop.draw(width, height), whole, value), augment)
+    return _augmented(_ready(transform(whole()), value), augment)
 
 
 def on_gpu(where: str, share: float) -> bool:

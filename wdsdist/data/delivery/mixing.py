@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from wdsdist.data.autos import replaced
 from wdsdist.data.delivery.pipeline import counted_shards, expand_shards
-from wdsdist.data.options import LoaderConfig, LoaderMode, ShardOrder, Source, Split
+from wdsdist.data.options import LoaderConfig, Source
 from wdsdist.data.plan.mix import Mix, MixSource, check
+from wdsdist.data.rules import LoaderMode, ShardOrder, Split
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
 

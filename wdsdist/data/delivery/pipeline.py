@@ -137,7 +137,8 @@ class RankLoader:
         self.decoder = None
         if cfg.decode == "gpu":
             device = gpu.device()
-            self.decoder = Decoders(cfg.gpu_decode_threads, cfg.image_size, device, cfg.train, cfg.gpu_decoder)
+            short = None if cfg.train else cfg.eval_crop[0]
+            self.decoder = Decoders(cfg.gpu_decode_threads, cfg.image_size, device, cfg.train, cfg.gpu_decoder, short)
         shared = None
         if cfg.workers > 0 and cfg.reuse_buffers and self.decoder is None:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
@@ -384,9 +385,9 @@ def expand_shards(spec: str | Sequence[str] | Sequence[Shard], cfg: LoaderConfig
 
 
 def decode_eval(data: bytes, cfg: LoaderConfig, where: str = "image") -> torch.Tensor:
-    """One image's bytes as the evaluation loader makes them (decode, resize to round(size / 0.875)
-    on the shorter side, centre crop to ``cfg.image_size``): uint8 3 x size x size. DataError
-    naming ``where`` when it cannot be decoded. What predict.py feeds a model."""
+    """One image's bytes as the evaluation loader makes them (decode, resize the shorter side and
+    centre-crop: ``cfg.eval_crop``, by default round(size / 0.875) and ``cfg.image_size``): uint8
+    3 x size x size. DataError naming ``where`` when it cannot be decoded. What predict.py feeds a model."""
     return eval_image(bytes(data), replace(cfg, train=False), where)
 
 
@@ -440,8 +441,13 @@ def make_eval_loader(
     mine = len(split_by_rank(shards, rank, world))
     if mine == 0:
         return []
+    resize, crop = cfg.eval_crop
     ecfg = replace(
         cfg,
+        image_size=crop,
+        eval_size=crop,
+        eval_resize=resize,
+        size_schedule=(),
         mode="epoch",
         split=Split.shards,  # every sample once, no padding: ranks may differ (sums are all-reduced)
         shard_order="global",  # whole shards per rank: no sample sequence to keep per node

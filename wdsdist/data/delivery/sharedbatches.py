@@ -44,12 +44,11 @@ class SharedBatches:
         as H x W x C in memory (the batches are NCHW tensors in torch's channels_last format), as
         region-decoded images are: stacking them into an NCHW-contiguous buffer transposes every
         image, many times slower (bench/results/2026-11-21-loader.md)."""
-        self.shape, self.nbuffers = tuple(shape), buffers
+        self.shape, self.nbuffers, self.channels_last = tuple(shape), buffers, channels_last
         n, c, h, w = shape
         layout = (buffers, n, h, w, c) if channels_last else (buffers, *shape)
-        self.buffers = [shared_uint8(layout) for _ in range(workers)]
-        if channels_last:
-            self.buffers = [b.permute(0, 1, 4, 2, 3) for b in self.buffers]
+        self._raw = [shared_uint8(layout) for _ in range(workers)]
+        self.buffers = [b.permute(0, 1, 4, 2, 3) for b in self._raw] if channels_last else self._raw
         pipes = [multiprocessing.Pipe(duplex=False) for _ in range(workers)]
         self._released = [reader for reader, _ in pipes]
         self._release = [writer for _, writer in pipes]
@@ -68,7 +67,18 @@ class SharedBatches:
         self.iteration += 1
         self._free = set(range(self.nbuffers))
 
-    def fill(self, worker: int, images: list[torch.Tensor]) -> tuple[int, int, int, int] | None:
+    def view(self, worker: int, k: int, n: int, size: int) -> torch.Tensor:
+        """Buffer ``k`` of ``worker`` as a batch of ``n`` images of ``size`` x ``size``: the front of
+        its memory, in its layout (a smaller size of loader.size_schedule uses less of it)."""
+        if size == self.shape[-1]:
+            return self.buffers[worker][k, :n]
+        c = self.shape[1]
+        flat = self._raw[worker][k].view(-1)[: n * c * size * size]
+        if self.channels_last:
+            return flat.view(n, size, size, c).permute(0, 3, 1, 2)
+        return flat.view(n, c, size, size)
+
+    def fill(self, worker: int, images: list[torch.Tensor]) -> tuple[int, ...] | None:
         """Stack ``images`` into a free buffer and return the reference that travels in the batch;
         None (nothing written) when every buffer is in use."""
         reader = self._released[worker]
@@ -82,8 +92,9 @@ class SharedBatches:
         # buffers, and the pages of the others are never touched (see shared_uint8).
         k = min(self._free)
         self._free.discard(k)
-        torch.stack(images, out=self.buffers[worker][k, : len(images)])
-        return worker, self.iteration, k, len(images)
+        size = images[0].shape[-1]
+        torch.stack(images, out=self.view(worker, k, len(images), size))
+        return worker, self.iteration, k, len(images), size
 
     def populate(self, worker: int) -> bool:
         """Have the kernel allocate and map the pages of the worker's first buffer now, in one
@@ -98,7 +109,7 @@ class SharedBatches:
 
     # ---------------------------------------------------------------- in the main process
 
-    def claim(self, ref: tuple[int, int, int, int], pin_memory: bool = False) -> torch.Tensor:
+    def claim(self, ref: tuple[int, ...], pin_memory: bool = False) -> torch.Tensor:
         """The images of a batch as the caller's own tensor; the buffer goes back to its worker."""
         source = self._batch(ref)
         # Pinned: torch's host allocator keeps its own blocks for reuse.
@@ -110,19 +121,19 @@ class SharedBatches:
         self._hand_back(ref)
         return images
 
-    def claim_rows(self, ref: tuple[int, int, int, int]) -> list[torch.Tensor]:
+    def claim_rows(self, ref: tuple[int, ...]) -> list[torch.Tensor]:
         """The images of a batch, each its own tensor (for the cross-worker shuffle, where a
         view would keep its whole batch alive until the last of its images left the buffer)."""
         images = [plain_copy(image) for image in self._batch(ref)]
         self._hand_back(ref)
         return images
 
-    def _batch(self, ref: tuple[int, int, int, int]) -> torch.Tensor:
-        worker, _, k, n = ref
-        return self.buffers[worker][k, :n]
+    def _batch(self, ref: tuple[int, ...]) -> torch.Tensor:
+        worker, _, k, n, size = ref
+        return self.view(worker, k, n, size)
 
-    def _hand_back(self, ref: tuple[int, int, int, int]) -> None:
-        worker, iteration, k, _ = ref
+    def _hand_back(self, ref: tuple[int, ...]) -> None:
+        worker, iteration, k = ref[:3]
         self._release[worker].send_bytes(_RELEASE.pack(iteration, k))
 
 

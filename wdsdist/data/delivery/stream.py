@@ -28,10 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wdsdist.data.decode.draws import CropDraw, whole_image
-from wdsdist.data.decode.jpegcrop import crop_decoder
-from wdsdist.data.decode.sample import make_transform, prepare_sample
 from wdsdist.data.delivery.batches import batched, collate
+from wdsdist.data.delivery.prep import SamplePrep
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stratified import quotas, stratified
 from wdsdist.data.delivery.warmstart import WarmStart, threads_for
@@ -114,13 +112,13 @@ def _wanted(samples: Iterable[dict], start: int, skip: frozenset, passed: list) 
 
 def _prepared(wanted: Iterable[tuple[int, dict]], prepare: Callable) -> Iterator[tuple]:
     """(seq, sample, prepared): what prepare_sample returned or the DataError it raised, in the
-    stream's order (it makes the random draws); FAILED for a placeholder."""
+    stream's order (it makes the random draws: prep.SamplePrep); FAILED for a placeholder."""
     for seq, sample in wanted:
         if FAILED in sample:
             yield seq, sample, FAILED
             continue
         try:
-            yield seq, sample, prepare(read_late(sample))
+            yield seq, sample, prepare(read_late(sample), seq=seq, pos=sample.get(POSITION, -1))
         except DataError as error:
             yield seq, sample, error
 
@@ -134,9 +132,11 @@ def _skip(skipped: list[list[int]], epoch: int, seq: int) -> None:
         skipped.append([epoch, seq, seq + 1])
 
 
-def transformed(transform: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor, size: int, sample: dict):
-    """The caller's transform of one image; what it returns must fit the batch's buffer. An error
-    in it is the caller's code, not bad data: it is raised, with the sample named."""
+def transformed(transform: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor, sample: dict):
+    """The caller's transform of one image; what it returns must fit the batch's buffer (the
+    image's shape). An error in it is the caller's code, not bad data: it is raised, with the
+    sample named."""
+    size = image.shape[-1]
     try:
         out = transform(image)
     except Exception as exc:
@@ -178,6 +178,7 @@ class ShardStream(IterableDataset):
         # resume the worker whose turn it was plays worker 0's part (every worker's role moves
         # by ``turn``), for the resumed iteration: the whole run in repeat mode, one epoch in epoch mode.
         self.turn = restored.turn
+        self.start = restored.steps  # the batches the run had taken when this stream began (prep.py)
         self.elastic = restored.elastic  # split=samples: epoch -> its positions still to deliver (resumed elsewhere)
         self.epoch = -1  # the last epoch begun, in each worker
         self.shared = shared  # used in DataLoader workers only
@@ -371,24 +372,19 @@ class ShardStream(IterableDataset):
             # Re-batched ranks keep every remaining sample so the epoch's count still holds.
             partial = partial or cfg.rebatch
             self.resume = None
-        transform = make_transform(cfg)
-        crop = crop_decoder(transform, cfg.decode_downscale) if cfg.train and cfg.decode_region else None
-        # decode=gpu: JPEGs leave undecoded with their draws (decode/gpu.py)
-        draw = None
-        if cfg.decode == "gpu":
-            draw = CropDraw(*transform.transforms) if cfg.train else whole_image
-        prepare = functools.partial(prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw)
+        # each sample's draws from its own seed, at its batch's size (prep.py)
+        prep = SamplePrep(cfg, self.rank, physical, nworkers, self.start, in_worker=info is not None)
         shared = self.shared if info else None
         if shared is not None:
             shared.restart(physical)
         collation = functools.partial(collate, shared=shared, worker=physical)
         # The worker's first batch only (a persistent worker's later epochs start as they are).
-        warm_rows = cfg.batch_size if cfg.warm_start and crop is not None and draw is None and not self.warmed else 0
+        warm_rows = cfg.batch_size if cfg.warm_start and prep.regions and not self.warmed else 0
         self.warmed = True
         warm = WarmStart(self.gate, leader=physical == 0, rows=warm_rows, threads=threads_for(nworkers))
         if shared is not None:
             warm.ahead(functools.partial(shared.populate, physical))  # the first batch's buffer, while it decodes
-        rows = self._rows(worker, nworkers, skips, prepare, runs, warm)
+        rows = self._rows(worker, nworkers, skips, prep, runs, warm)
         if info is not None:
             rows = _primed(rows)
         if self.mix is not None and cfg.mix == "stratified":
@@ -402,7 +398,7 @@ class ShardStream(IterableDataset):
         worker: int,
         nworkers: int,
         skips: dict,
-        prepare: Callable,
+        prep: SamplePrep,
         runs: dict,
         warm: WarmStart,
     ) -> Iterator[tuple]:
@@ -417,14 +413,14 @@ class ShardStream(IterableDataset):
         (passed over on resume), so one run per epoch covers them: a shard whose index claims
         millions of samples it does not hold costs a row three numbers, not millions."""
         try:
-            yield from self._epochs(worker, nworkers, skips, prepare, runs, warm)
+            yield from self._epochs(worker, nworkers, skips, prep, runs, warm)
         finally:
             warm.done()  # a leader whose stream ended or failed first holds nobody
 
     # One long method: the per-sample loop of the hot path, with what it passes over
     # (resumed, failed, undecodable) and how that is counted, in one place a reader follows top down.
     def _epochs(
-        self, worker: int, nworkers: int, skips: dict, prepare: Callable, runs: dict, warm: WarmStart
+        self, worker: int, nworkers: int, skips: dict, prep: SamplePrep, runs: dict, warm: WarmStart
     ) -> Iterator[tuple]:
         cfg = self.cfg
         bad: list = [0, 0]  # samples and shard reads skipped since the last row, then the failed URLs
@@ -436,6 +432,7 @@ class ShardStream(IterableDataset):
             passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
+            prepare = functools.partial(prep, epoch=epoch, worker=worker)
             for seq, sample, done in warm.run(_prepared(wanted, prepare)):
                 seen += 1
                 if done is FAILED:  # its shard's failure is counted and warned about already
@@ -450,7 +447,7 @@ class ShardStream(IterableDataset):
                     continue
                 image, label = done
                 if self.transform is not None:
-                    image = transformed(self.transform, image, cfg.image_size, sample)
+                    image = transformed(self.transform, image, sample)
                 key = sample["__key__"] if cfg.with_keys else None
                 ids = (epoch, worker, seq, sample.get(POSITION, -1))
                 warm.row()
@@ -458,6 +455,7 @@ class ShardStream(IterableDataset):
                 bad[:] = [0, 0]
                 skipped = []
                 produced += 1
+                prep.rows += 1
             # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
             if not produced and start == 0 and not skip and not runs.get(epoch) and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.

@@ -12,9 +12,9 @@ from typing import TypeVar
 
 import webdataset as wds
 
-from wdsdist.data.options import ShardOrder
 from wdsdist.data.plan import seeds
 from wdsdist.data.plan.splits import rank_batches
+from wdsdist.data.rules import ShardOrder
 from wdsdist.errors import UserError
 
 T = TypeVar("T")
