@@ -1,13 +1,14 @@
 """gpu-check's training parts: (a) the default job, (b) a resumed torchrun run, (c) ImageNet-size
 JPEGs through train.py; each run's rates read from its own log, beside pure compute.
 
-Pure compute is the trainer's own step (``trainer.train_step``) on random uint8 images already on
+Pure compute is the trainer's own step (``step.train_step``) on random uint8 images already on
 the device, with the model, optimizer and device conversion built by the trainer's builders from
 the same config train.py composes: what the run would reach if data cost nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -237,7 +238,7 @@ def pure_compute(overrides: list[str], device: str, steps: int) -> float:
     from wdsdist.train.distributed import Dist
     from wdsdist.train.evaluate import OnDevice
     from wdsdist.train.model import build_optimizer, seeded_model
-    from wdsdist.train.trainer import train_step
+    from wdsdist.train.step import train_step
 
     cfg = composed(overrides)
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
@@ -245,7 +246,8 @@ def pure_compute(overrides: list[str], device: str, steps: int) -> float:
     model, _ = seeded_model(cfg, dist)
     lr = cfg.optim.lr * cfg.trainer.batch_size / 256
     run = SimpleNamespace(cfg=cfg, ddp_model=model, opt=build_optimizer(cfg, model, lr), on_device=OnDevice(cfg, dist))
-    run.lr_at = lambda step: lr
+    run.model, run.mix, run.ema, run.lr_at = model, None, None, lambda step: lr
+    run.sync = lambda now: contextlib.nullcontext()
     b, s = cfg.trainer.batch_size, cfg.data.image_size
     # As the loader hands them over: uint8, channels_last.
     images = torch.randint(0, 256, (b, 3, s, s), dtype=torch.uint8, device=dev)
@@ -258,11 +260,11 @@ def pure_compute(overrides: list[str], device: str, steps: int) -> float:
 
     model.train()
     for step in range(max(2, steps // 3)):  # cudnn's autotuning and the allocator settle here
-        train_step(run, batch, step)
+        train_step(run, [batch], [0.0], step)
     sync()
     t0 = time.perf_counter()
     for step in range(steps):
-        train_step(run, batch, step)
+        train_step(run, [batch], [0.0], step)
     sync()
     rate = b * steps / (time.perf_counter() - t0)
     del run, model, batch, images

@@ -41,49 +41,61 @@ def test_data_and_loader_sections_are_the_loaders_option_classes():
             assert (tuple(value) if name == "crop_scale" else value) == getattr(loader, name), name
 
 
+# Each data and loader field away from its default (test_the_trainer_hands_every_loader_option_over)
+CHANGED = {
+    "image_key": "png",
+    "label_key": "label",
+    "image_size": 40,
+    "crop_scale": [0.5, 0.9],
+    "num_classes": 7,
+    "strict": True,
+    "allow_pipe": True,
+    "trust_index": True,
+    "max_pixels": 1234,
+    "max_member_bytes": 5678,
+    "http_timeout": 3.5,
+    "http_min_rate": 9,
+    "http_retry_s": 7.5,
+    "s3_endpoint_url": "http://minio.local:9000",
+    "gs_endpoint_url": "http://gcs.local:4443",
+    "epoch_samples": 1000,
+    "augment": "randaugment",
+    "augment_n": 3,
+    "augment_m": 7,
+    "random_erase": 0.25,
+    "mean": [0.5, 0.4, 0.3],
+    "eval_size": 48,
+    "eval_resize": 50,
+}
+STREAM = {
+    "mode": "epoch",
+    "split": "shards",
+    "remainder": "drop",
+    "shard_order": "global",  # the default: node needs split=samples (tested below)
+    "nbatches": 26,
+    "dsrepeat": 3,
+    "shuffle_buffer": 11,
+    "cross_shuffle": 12,
+    "prefetch": 4,
+    "decode_region": False,
+    "decode_downscale": True,
+    # decode=gpu is refused beside cross_shuffle and decode_downscale: it is handed over below
+    "gpu_decoder": "torchvision",
+    "gpu_decode_threads": 2,
+    "gpu_decode_share": 0.5,
+    "warm_start": False,
+    "read_late": False,
+    "cache_dir": None,  # the test's own folder
+    "cache_limit": "500MiB",
+    "cache_ahead": 5,
+    "mix": "stratified",
+}
+
+
 def test_the_trainer_hands_every_loader_option_over(tmp_path):
     """Each data/loader field, set away from its default on the command line, reaches the loader."""
-    changed = {
-        "image_key": "png",
-        "label_key": "label",
-        "image_size": 40,
-        "crop_scale": [0.5, 0.9],
-        "num_classes": 7,
-        "strict": True,
-        "allow_pipe": True,
-        "trust_index": True,
-        "max_pixels": 1234,
-        "max_member_bytes": 5678,
-        "http_timeout": 3.5,
-        "http_min_rate": 9,
-        "http_retry_s": 7.5,
-        "s3_endpoint_url": "http://minio.local:9000",
-        "gs_endpoint_url": "http://gcs.local:4443",
-        "epoch_samples": 1000,
-    }
-    stream = {
-        "mode": "epoch",
-        "split": "shards",
-        "remainder": "drop",
-        "shard_order": "global",  # the default: node needs split=samples (tested below)
-        "nbatches": 26,
-        "dsrepeat": 3,
-        "shuffle_buffer": 11,
-        "cross_shuffle": 12,
-        "prefetch": 4,
-        "decode_region": False,
-        "decode_downscale": True,
-        # decode=gpu is refused beside cross_shuffle and decode_downscale: it is handed over below
-        "gpu_decoder": "torchvision",
-        "gpu_decode_threads": 2,
-        "gpu_decode_share": 0.5,
-        "warm_start": False,
-        "read_late": False,
-        "cache_dir": str(tmp_path / "cache"),
-        "cache_limit": "500MiB",
-        "cache_ahead": 5,
-        "mix": "stratified",
-    }
+    changed = CHANGED
+    stream = STREAM | {"cache_dir": str(tmp_path / "cache")}
     assert sorted(changed) == sorted(names(SampleOptions))
     assert sorted(stream) == sorted(set(names(StreamOptions)) - {"decode"})
     overrides = [f"data.{k}={v}" for k, v in changed.items()] + [f"loader.{k}={v}" for k, v in stream.items()]
@@ -91,7 +103,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
     config.check(cfg)
     lcfg = loader_config(cfg, CPU, 42)
     got = {k: getattr(lcfg, k) for k in [*changed, *stream]}
-    assert got == changed | stream | {"crop_scale": (0.5, 0.9), "cache_limit": 500 << 20}
+    assert got == changed | stream | {"crop_scale": (0.5, 0.9), "cache_limit": 500 << 20, "mean": (0.5, 0.4, 0.3)}
     assert (lcfg.batch_size, lcfg.workers, lcfg.seed, lcfg.pin_memory, lcfg.train) == (5, 3, 42, False, True)
     gpu = compose_config(["loader.decode=gpu", "trainer.workers=2", "data.synthetic=null"])
     config.check(gpu)

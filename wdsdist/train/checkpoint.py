@@ -28,6 +28,7 @@ from wdsdist.data import Loader
 from wdsdist.errors import JobError, UserError
 from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
+from wdsdist.train.ema import Ema
 from wdsdist.train.faults import Watchdog
 from wdsdist.train.report import Reporter
 
@@ -206,10 +207,11 @@ def save_checkpoint(
     keep: int,
     generation: Generation,
     pins: dict[str, str] | None = None,
+    ema: Ema | None = None,
 ) -> str | None:
     """Collective: every rank hands in its loader position and RNG state; rank 0 writes, unless a
     later start of the job owns the run directory (``check_generation``). ``pins``: what each data
-    spec was read as (pins.py), taken again on a resume."""
+    spec was read as (pins.py), taken again on a resume; ``ema``: rank 0's EMA of the weights."""
     loaders = loader.state_dict()  # every rank's position
     rngs = distributed.all_gather_object(rng_state(dist))
     if not dist.is_main:
@@ -225,6 +227,7 @@ def save_checkpoint(
         "rng": rngs,
         "loader": loaders,
         "pins": dict(pins or {}),
+        "ema": ema.state_dict() if ema is not None else None,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "classes": list(OmegaConf.select(cfg, "data.classes") or ()),  # label i's name (also in the config)
     }
@@ -266,8 +269,10 @@ class Checkpointer:
         watchdog: Watchdog,
         generation: Generation,
         pins: dict[str, str] | None = None,
+        ema: Ema | None = None,
     ):
         self.run_dir, self.dist, self.cfg, self.generation, self.pins = run_dir, dist, cfg, generation, pins
+        self.ema = ema
         self.model, self.opt, self.loader = model, opt, loader
         self.report, self.watchdog = report, watchdog
         self.every = cfg.trainer.ckpt_every
@@ -290,6 +295,7 @@ class Checkpointer:
                 keep,
                 self.generation,
                 self.pins,
+                self.ema,
             )
             self.saved_at = step
             self.report.line(f"checkpoint {self.path}", console=False)
@@ -411,9 +417,19 @@ def load_checkpoint(path: str) -> dict:
     return ckpt
 
 
-def restore(ckpt: dict, path: str, dist: Dist, cfg: DictConfig, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load model, optimizer and this rank's RNG; returns the step to continue at. The learning
-    rate is not restored: every step sets it from the step and this run's config and global batch."""
+def restore(
+    ckpt: dict,
+    path: str,
+    dist: Dist,
+    cfg: DictConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ema: Ema | None = None,
+) -> int:
+    """Load model, optimizer, the EMA and this rank's RNG; returns the step to continue at. The
+    learning rate is not restored: every step sets it from the step and this run's config and
+    global batch. A checkpoint without an EMA (trainer.ema turned on at the resume) starts one
+    from the weights it holds."""
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as exc:
@@ -424,6 +440,11 @@ def restore(ckpt: dict, path: str, dist: Dist, cfg: DictConfig, model: nn.Module
         raise UserError(f"{path}: optimizer state does not fit optim.name={cfg.optim.name.value}: {exc}") from None
     for group in opt.param_groups:
         group.pop("initial_lr", None)  # LambdaLR's, in checkpoints from before lr_at: nothing reads it now
+    if ema is not None:
+        if ckpt.get("ema") is not None:
+            ema.load_state_dict(ckpt["ema"])
+        else:
+            ema.model.load_state_dict(model.state_dict())
     step = int(ckpt["step"])
     if ckpt["world"] == dist.world:
         set_rng_state(ckpt["rng"][dist.rank], dist)

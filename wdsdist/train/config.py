@@ -30,6 +30,8 @@ from omegaconf.errors import (
 
 from wdsdist.data import LoaderMode, SampleOptions, StreamOptions, option_problems
 from wdsdist.errors import DataError, JobError, UserError, console_logging, die
+from wdsdist.train import recipe
+from wdsdist.train.argv import SHARD_KEYS, shard_argv
 
 
 class OptimName(Enum):
@@ -89,6 +91,9 @@ class DataConfig(SampleOptions):
     # Label i's name; null: the training index's (else "0", "1", ...). Kept in classes.json, every
     # checkpoint and the exported config.json.
     classes: list[str] | None = None
+    # Pixels, or progressive resizing: [[from, size], ...], each size from a fraction of training on
+    # (trainer.steps; trainer.epochs in epoch mode, switching at an epoch's start), e.g. [[0, 160], [0.87, 192]]
+    image_size: Any = 224
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     synthetic: SyntheticConfig | None = None
@@ -118,6 +123,18 @@ class OptimConfig:
     weight_decay: float = 5e-5
     warmup: float = 0.05  # fraction of trainer.steps with a linear ramp, then cosine to 0
     label_smoothing: float = 0.0
+    clip_grad_norm: float | None = None  # clip the gradients' total norm to this; null: no clipping
+    norm_weight_decay: float | None = None  # weight decay of normalisation layers; null: weight_decay
+    bias_weight_decay: float | None = None  # weight decay of biases; null: weight_decay
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the weights (wdsdist/train/ema.py)."""
+
+    decay: float = 0.0  # per update; 0: no EMA
+    every: int = 1  # steps between updates
+    warmup: bool = True  # the decay grows as min(decay, (1 + n) / (10 + n)) over the first updates (timm's)
 
 
 @dataclass
@@ -138,6 +155,12 @@ class TrainerConfig:
     amp: bool = True  # bf16 autocast on a GPU with bf16 units
     amp_cpu: bool = False  # bf16 autocast on the CPU too (for studies: the CPU default stays float32)
     channels_last: bool = True  # CUDA only
+    accum_steps: int = 1  # micro-batches per optimizer step: a global batch of world x batch_size x accum_steps
+    mixup: float = 0.0  # mixup's alpha; 0: off (with cutmix too: one of the two per batch)
+    cutmix: float = 0.0  # cutmix's alpha; 0: off
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    compile: Any = False  # torch.compile: false, true or auto (where it was measured to pay off)
+    sync_bn: bool = False  # batch norm statistics over all ranks (SyncBatchNorm; CUDA only)
 
 
 @dataclass
@@ -184,9 +207,10 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     t, d, o, ld = cfg.trainer, cfg.data, cfg.optim, cfg.loader
     # The loader's own rules (data/options.py), named in config terms: batch_size and workers
     # are trainer keys here.
-    problem = next(option_problems(batch=t, sample=d, stream=ld), None)
+    problem = next(option_problems(batch=t, sample=recipe.Sized(d, recipe.largest(cfg)), stream=ld), None)
     if problem is not None:
         raise UserError(problem)
+    recipe.check(cfg)
     for key in ("trainer.steps", "trainer.log_every", "trainer.keep"):
         need(OmegaConf.select(cfg, key) >= 1, key, "must be >= 1")
     for key in ("trainer.eval_every", "trainer.ckpt_every"):
@@ -211,9 +235,6 @@ def check(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         for key in ("train_samples", "val_samples", "shard_samples"):
             need(s[key] >= 1, f"data.synthetic.{key}", "must be >= 1")
         need(s.size >= 8, "data.synthetic.size", "must be >= 8")
-
-
-SHARD_KEYS = ("data.train_shards", "data.val_shards")
 
 
 def check_sources(cfg: DictConfig) -> None:
@@ -276,86 +297,6 @@ def check_own_shards(cfg: DictConfig, overrides: Sequence[str]) -> None:
                 f"{d.image_size} pixels, written there if missing); for shards of your own add data=shards "
                 f"data.num_classes=N (data=synthetic: write the synthetic set there)"
             )
-
-
-# ---------------------------------------------------------------- brace specs on the command line
-
-
-def _is_hydra_override(text: str) -> bool:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        OverridesParser.create().parse_override(text)
-    except HydraException:
-        return False
-    return True
-
-
-def _brace_pattern(values: list[str]) -> str | None:
-    """A brace pattern that expands to these values, as the shell expanded it: ``{first..last}``
-    for consecutive numbers, else ``{a,b,...}`` for a few."""
-    prefix = os.path.commonprefix(values)
-    suffix = os.path.commonprefix([v[len(prefix) :][::-1] for v in values])[::-1]
-    # Keep a number's leading zeros and digits inside the braces, as the user typed it.
-    digits = "0123456789"
-    head, tail = prefix.rstrip(digits), suffix.lstrip(digits)
-    middles = [v[len(head) : len(v) - len(tail)] for v in values]
-    widths = {len(m) for m in middles}
-    if all(m.isdigit() for m in middles) and (len(widths) == 1 or all(m == str(int(m)) for m in middles)):
-        numbers = [int(m) for m in middles]
-        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-            return f"{head}{{{middles[0]}..{middles[-1]}}}{tail}"
-    if len(values) <= 5:
-        return f"{prefix}{{{','.join(v[len(prefix) : len(v) - len(suffix)] for v in values)}}}{suffix}"
-    return None
-
-
-def _shard_key(arg: str) -> str | None:
-    name = arg.partition("=")[0].lstrip("+")
-    return name if "=" in arg and name in SHARD_KEYS else None
-
-
-def _refuse_expanded(name: str, values: list[str]) -> None:
-    pattern = _brace_pattern(values)
-    quote = f"'{name}={pattern}'" if pattern else f"the whole word, '{name}=...{{A..B}}...'"
-    shown = f"{values[0]} ... {values[-1]}" if len(values) > 2 else " ".join(values)
-    raise UserError(
-        f"{name} is given {len(values)} times in a row ({shown}): the shell expanded a brace pattern? "
-        f"Quote it: {quote}; Hydra would keep only the last one"
-    )
-
-
-def shard_argv(argv: list[str]) -> list[str]:
-    """The command line with brace specs for the shard keys made safe for Hydra's grammar.
-
-    A literal ``data.train_shards=web-{000000..000009}.tar`` (the shell left it whole: quoted, or a
-    launcher passing words as they are) is refused by Hydra's grammar; it gets Hydra's quotes here.
-    Only a shard key whose value Hydra would refuse is changed, so every override Hydra accepts means
-    what it meant. A shard key given in several words in a row is what bash makes of an unquoted
-    brace pattern (one word per shard, and Hydra would keep only the last): an error that says to
-    quote it. Apart, the last one wins as with any Hydra override (a script's default, then the user's).
-    """
-    out = []
-    i = 0
-    while i < len(argv):
-        name = _shard_key(argv[i])
-        if name is None:
-            out.append(argv[i])
-            i += 1
-            continue
-        run = i + 1
-        while run < len(argv) and _shard_key(argv[run]) == name:
-            run += 1
-        if run - i > 1:
-            _refuse_expanded(name, [arg.partition("=")[2] for arg in argv[i:run]])
-        key, _, value = argv[i].partition("=")
-        quoted = f'{key}="{value}"'
-        if not _is_hydra_override(argv[i]) and not any(c in value for c in "\\'\"") and _is_hydra_override(quoted):
-            out.append(quoted)
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
 
 
 # ---------------------------------------------------------------- errors as one line

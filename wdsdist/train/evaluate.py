@@ -119,25 +119,30 @@ def params_fingerprint(model: nn.Module) -> str:
 
 class Evaluator:
     """Owns the evaluation schedule: every ``trainer.eval_every`` steps before the last, and once
-    at the end. A collective: every rank calls ``maybe_eval`` with the same arguments."""
+    at the end. A collective: every rank calls ``maybe_eval`` with the same arguments.
+
+    ``models``: what is evaluated, by name: "model" (the one that trains) and, with trainer.ema,
+    "EMA" (its average); each on every loader. ``result`` is the model's on data.val_shards,
+    ``sources`` its per source of data.val_sources, ``results`` everything by model name."""
 
     def __init__(
         self,
         cfg: DictConfig,
         dist: Dist,
-        model: nn.Module,
+        models: dict[str, nn.Module],
         loaders: dict[str | None, Any],  # None: data.val_shards'; a name: that of data.val_sources; empty: none
         on_device: OnDevice,
         steps: int,
         report: Reporter,
         watchdog: Watchdog,
     ):
-        self.dist, self.model, self.loaders, self.on_device = dist, model, loaders, on_device
+        self.dist, self.models, self.loaders, self.on_device = dist, models, loaders, on_device
         self.report, self.watchdog = report, watchdog
         self.every, self.steps, self.num_classes = cfg.trainer.eval_every, steps, cfg.data.num_classes
         self.names = list(cfg.data.classes or map(str, range(cfg.data.num_classes)))
         self.result: dict | None = None  # the last evaluation's of data.val_shards
         self.sources: dict[str, dict] = {}  # the last evaluation's of each of data.val_sources
+        self.results: dict[str, dict[str | None, dict]] = {}  # model name -> loader name -> result
 
     def maybe_eval(self, step: int, last: bool = False) -> None:
         if not self.loaders:
@@ -146,38 +151,51 @@ class Evaluator:
             self.run(step)
 
     def run(self, step: int) -> None:
-        if self.dist.world > 1:
-            share_buffers(self.model)
         t0 = time.perf_counter()
         names = ", ".join("data.val_shards" if name is None else name for name in self.loaders)
-        self.report.line(f"evaluating at step {step}: {names}")
+        self.report.line(
+            f"evaluating at step {step}: {names}" + (f" ({', '.join(self.models)})" if len(self.models) > 1 else "")
+        )
 
         def beat(phase: str) -> None:
             self.watchdog.beat(step, phase)
 
-        results = {
-            name: evaluate(self.model, loader, self.dist, self.on_device, self.num_classes, beat=beat)
-            for name, loader in self.loaders.items()
-        }
-        self.result = results.pop(None, None)
-        self.sources = results
+        for model_name, model in self.models.items():
+            if self.dist.world > 1:
+                share_buffers(model)
+            self.results[model_name] = {
+                name: evaluate(model, loader, self.dist, self.on_device, self.num_classes, beat=beat)
+                for name, loader in self.loaders.items()
+            }
+        ours = dict(self.results["model"])
+        self.result = ours.pop(None, None)
+        self.sources = ours
+        parts = [self._said(name, by_loader, step) for name, by_loader in self.results.items()]
+        samples = sum(r["samples"] for r in self.results["model"].values())
+        self.report.line(
+            f"eval at step {step}: {'; '.join(p for p in parts if p)} ({samples} samples, "
+            f"{time.perf_counter() - t0:.1f}s)"
+        )
+
+    def _said(self, model_name: str, by_loader: dict[str | None, dict], step: int) -> str:
+        """One model's results in TensorBoard (the EMA's tags end in _ema), and as words."""
+        tag = "" if model_name == "model" else f"_{model_name.lower()}"
+        head = "" if model_name == "model" else f"{model_name}: "
         scalars, parts = {}, []
-        if self.result is not None:
-            scalars |= {"val/top1": self.result["top1"], "val/loss": self.result["loss"]}
-            low = weakest(self.result, self.names)
-            self.result["weakest"] = low
-            scalars |= {f"val/weakest/{name}": top1 for name, top1 in low}
+        result = by_loader.get(None)
+        if result is not None:
+            scalars |= {f"val/top1{tag}": result["top1"], f"val/loss{tag}": result["loss"]}
+            low = weakest(result, self.names)
+            result["weakest"] = low
+            if not tag:
+                scalars |= {f"val/weakest/{name}": top1 for name, top1 in low}
             worst = ", ".join(f"{name} {100 * top1:.1f}%" for name, top1 in low)
-            parts.append(
-                f"val top-1 {100 * self.result['top1']:.2f}% loss {self.result['loss']:.4f} (weakest: {worst})"
-            )
-        for name, r in results.items():
-            scalars |= {f"val/top1/{name}": r["top1"], f"val/loss/{name}": r["loss"]}
-        if results:
-            each = (f"{name} {100 * r['top1']:.2f}% ({r['samples']})" for name, r in results.items())
+            parts.append(f"val top-1 {100 * result['top1']:.2f}% loss {result['loss']:.4f} (weakest: {worst})")
+        others = {name: r for name, r in by_loader.items() if name is not None}
+        for name, r in others.items():
+            scalars |= {f"val/top1{tag}/{name}": r["top1"], f"val/loss{tag}/{name}": r["loss"]}
+        if others:
+            each = (f"{name} {100 * r['top1']:.2f}% ({r['samples']})" for name, r in others.items())
             parts.append(f"val top-1 per source: {', '.join(each)}")
         self.report.scalars(step, scalars)
-        samples = sum(r["samples"] for r in (self.result, *results.values()) if r is not None)
-        self.report.line(
-            f"eval at step {step}: {'; '.join(parts)} ({samples} samples, {time.perf_counter() - t0:.1f}s)"
-        )
+        return head + "; ".join(parts)

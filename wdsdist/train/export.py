@@ -2,9 +2,11 @@
 directory, written at the end of every run.
 
 config.json names the architecture (``library``: torchvision or timm, ``architecture``: its
-name), the classes in label order, the input size, evaluation's resize (the shorter side, before
-the centre crop), the mean and std on the 0-1 scale, and ``stem``: ``small`` where the ResNet's
-first convolution is 3x3 stride 1 (docs/predict.md shows plain torchvision loading it).
+name), the classes in label order, the input size (evaluation's centre crop, data.eval_size),
+evaluation's resize (the shorter side, before the centre crop: data.eval_resize), the mean and std
+on the 0-1 scale, ``stem``: ``small`` where the ResNet's first convolution is 3x3 stride 1
+(docs/predict.md shows plain torchvision loading it), and ``weights``: ``ema`` where the file
+holds the EMA of the weights (trainer.ema), else ``model``.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from wdsdist.errors import UserError
+from wdsdist.train import recipe
 from wdsdist.train.checkpoint import write_text
 from wdsdist.train.config import Stem
+from wdsdist.train.ema import Ema
 from wdsdist.train.model import TIMM, is_small_stem, make_model
 
 FORMAT = "wds-distributed-model/1"
 EVAL_RATIO = 0.875  # the loader's evaluation: shorter side to round(size / 0.875), then the centre crop
 
 
-def config_of(cfg: DictConfig, model: nn.Module, step: int) -> dict[str, Any]:
-    name, size = cfg.model.name, cfg.data.image_size
+def config_of(cfg: DictConfig, model: nn.Module, step: int, ema: Ema | None = None) -> dict[str, Any]:
+    name, trained = cfg.model.name, recipe.largest(cfg)
+    size = cfg.data.eval_size or trained
     return {
         "format": FORMAT,
         "library": "timm" if name.startswith(TIMM) else "torchvision",
@@ -35,16 +40,20 @@ def config_of(cfg: DictConfig, model: nn.Module, step: int) -> dict[str, Any]:
         "num_classes": cfg.data.num_classes,
         "classes": list(cfg.data.classes),
         "image_size": size,
-        "resize": round(size / EVAL_RATIO),
+        "resize": cfg.data.eval_resize or round(size / EVAL_RATIO),
+        "train_size": trained,
         "mean": list(cfg.data.mean),
         "std": list(cfg.data.std),
         "stem": "small" if is_small_stem(model) else "default",
         "step": step,
+        "weights": "ema" if ema is not None else "model",
+        **({"ema": {"decay": ema.decay, "every": ema.every, "updates": ema.updates}} if ema is not None else {}),
     }
 
 
-def export(run_dir: str, cfg: DictConfig, model: nn.Module, step: int) -> str:
-    """model.safetensors and config.json, each written whole (a temporary file, then renamed)."""
+def export(run_dir: str, cfg: DictConfig, model: nn.Module, step: int, ema: Ema | None = None) -> str:
+    """model.safetensors (``model``'s weights: the EMA's where ``ema`` is given) and config.json,
+    each written whole (a temporary file, then renamed)."""
     from safetensors.torch import save_file
 
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -52,7 +61,7 @@ def export(run_dir: str, cfg: DictConfig, model: nn.Module, step: int) -> str:
     tmp = path + f".tmp{os.getpid()}"
     save_file(weights, tmp, metadata={"format": "pt"})
     os.replace(tmp, path)
-    write_text(os.path.join(run_dir, "config.json"), json.dumps(config_of(cfg, model, step), indent=1) + "\n")
+    write_text(os.path.join(run_dir, "config.json"), json.dumps(config_of(cfg, model, step, ema), indent=1) + "\n")
     return path
 
 
@@ -75,7 +84,8 @@ def model_of(config: dict[str, Any], weights: dict[str, torch.Tensor], where: st
     """The model a config describes, with these weights; one line where they do not fit it."""
     prefix = TIMM if config["library"] == "timm" else ""
     stem = Stem.small if config.get("stem") == "small" else Stem.imagenet
-    model = make_model(prefix + config["architecture"], config["num_classes"], config["image_size"], stem)
+    size = config.get("train_size", config["image_size"])  # the stem follows the training size
+    model = make_model(prefix + config["architecture"], config["num_classes"], size, stem)
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:

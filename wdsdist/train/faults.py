@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -282,3 +283,22 @@ def trace_for_test(rank: int, step: int, batch: dict, generation: int) -> None:
         epochs = sorted(set(batch["id"][:, 0].tolist()))
         with open(os.path.join(folder, f"rank-{rank}.txt"), "a", encoding="utf-8") as f:
             f.write(f"{step} {','.join(map(str, epochs))} {','.join(map(str, batch['pos'].tolist()))}\n")
+
+
+def pixels_for_test(rank: int, step: int, batches: list[dict]) -> None:
+    """TEST HOOK: WDSDIST_TEST_PIXELS=DIR makes each rank append, per sample it trains on, the
+    step, the micro-batch, the sample's epoch, position and a CRC of its uint8 pixels (as the
+    loader gave them, before mixing) to DIR/rank-R.txt, so a test can hold a resumed run's
+    pixels to the uninterrupted run's (tests/test_recipe_exact.py)."""
+    where = os.environ.get("WDSDIST_TEST_PIXELS")
+    if not where:
+        return
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, f"rank-{rank}.txt"), "a", encoding="utf-8") as f:
+        for micro, batch in enumerate(batches):
+            images = batch["image"].cpu()
+            for row in range(len(images)):
+                crc = zlib.crc32(images[row].contiguous().numpy().tobytes())
+                size = images.shape[-1]
+                epoch, pos = int(batch["id"][row, 0]), int(batch["pos"][row])
+                f.write(f"{step} {micro} {epoch} {pos} {size} {crc:08x}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import random
 from typing import Any
 
@@ -14,7 +15,7 @@ import torchvision
 from omegaconf import DictConfig
 
 from wdsdist.errors import UserError
-from wdsdist.train import distributed, weights
+from wdsdist.train import distributed, recipe, weights
 from wdsdist.train.config import OptimName, Stem
 from wdsdist.train.distributed import Dist
 
@@ -30,7 +31,7 @@ TIMM = "timm/"  # model.name=timm/NAME: a timm model (the [timm] extra)
 
 def build_model(cfg: DictConfig) -> nn.Module:
     """The config's model (model.name) with data.num_classes outputs, its stem sized to the images."""
-    return make_model(cfg.model.name, cfg.data.num_classes, cfg.data.image_size, Stem(cfg.model.stem))
+    return make_model(cfg.model.name, cfg.data.num_classes, recipe.largest(cfg), Stem(cfg.model.stem))
 
 
 def make_model(name: str, num_classes: int, size: int, stem: Stem = Stem.auto) -> nn.Module:
@@ -137,19 +138,49 @@ def seeded_model(cfg: DictConfig, dist: Dist, start: weights.Pretrained | None =
     return model, said
 
 
-def build_optimizer(cfg: DictConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """The optimizer; with model.freeze_steps, the head's parameters in a group of their own and
-    the rest in one that ``frozen_until`` keeps at learning rate 0 until then (train_step). A
-    frozen group, not requires_grad: DDP fixes which parameters it reduces when it wraps the model."""
+# The normalisation layers whose weights optim.norm_weight_decay covers (torchvision's reference's list)
+NORMS = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def param_groups(cfg: DictConfig, model: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: one per (weight decay, frozen) pair, in the model's order.
+    A bias takes optim.bias_weight_decay, a normalisation layer's weight optim.norm_weight_decay
+    (each where given; else optim.weight_decay, as torchvision's reference sets them); with
+    model.freeze_steps, all but the head are in groups that ``frozen_until`` keeps at learning rate
+    0 until then (train_step). A frozen group, not requires_grad: DDP fixes which parameters it
+    reduces when it wraps the model. With the defaults this is one group of model.parameters()."""
     optim = cfg.optim
-    params: Any = model.parameters()
-    if cfg.model.freeze_steps > 0:
-        head = weights.head_name(model) + "."
-        named = list(model.named_parameters())
-        params = [
-            {"params": [p for n, p in named if not n.startswith(head)], "frozen_until": cfg.model.freeze_steps},
-            {"params": [p for n, p in named if n.startswith(head)]},
-        ]
+    head = weights.head_name(model) + "." if cfg.model.freeze_steps > 0 else None
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # a shared weight: in its first module's group
+                continue
+            seen.add(id(p))
+            decay = optim.weight_decay
+            if name == "bias" and optim.bias_weight_decay is not None:
+                decay = optim.bias_weight_decay
+            elif isinstance(module, NORMS) and optim.norm_weight_decay is not None:
+                decay = optim.norm_weight_decay
+            full = f"{module_name}.{name}" if module_name else name
+            groups.setdefault((decay, head is not None and not full.startswith(head)), []).append(p)
+    frozen = {"frozen_until": cfg.model.freeze_steps}
+    return [
+        {"params": params, "weight_decay": decay, **(frozen if is_frozen else {})}
+        for (decay, is_frozen), params in groups.items()
+    ]
+
+
+def build_optimizer(cfg: DictConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer over ``param_groups``."""
+    optim, params = cfg.optim, param_groups(cfg, model)
     if optim.name == OptimName.sgd:
         return torch.optim.SGD(
             params,
@@ -159,6 +190,23 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, lr: float) -> torch.optim
             weight_decay=optim.weight_decay,
         )
     return torch.optim.AdamW(params, lr=lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+
+
+def synced_batchnorm(model: nn.Module, cfg: DictConfig, dist: Dist) -> nn.Module:
+    """trainer.sync_bn: BatchNorm over every rank's batch (SyncBatchNorm, before DDP wraps it).
+    torch's SyncBatchNorm syncs GPU tensors only: on the CPU with several ranks, refused in one
+    line; one rank has nothing to sync."""
+    if not cfg.trainer.sync_bn or dist.world == 1:
+        return model
+    if dist.device.type != "cuda":
+        raise UserError("trainer.sync_bn=true: torch's SyncBatchNorm syncs GPU tensors only; this run is on the CPU")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def compiled(module: nn.Module) -> nn.Module:
+    """torch.compile's module (trainer.compile); its first call compiles. WDSDIST_TEST_COMPILE_BACKEND
+    (a test hook) names another backend than inductor, to trace without generating code."""
+    return torch.compile(module, backend=os.environ.get("WDSDIST_TEST_COMPILE_BACKEND") or "inductor")
 
 
 def lr_at(step: int, base_lr: float, steps: int, warmup_frac: float) -> float:

@@ -65,18 +65,24 @@ def from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only
         cfg = ckpt["config"]
         data, name, weights = cfg["data"], cfg["model"]["name"], ckpt["model"]
+        if ckpt.get("ema") is not None:  # trainer.ema: the average is what a run ships (export.py)
+            weights = ckpt["ema"]["model"]
     except Exception as exc:  # noqa: BLE001 (not a checkpoint of ours, whatever the reason)
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         raise UserError(f"{path}: not a checkpoint of this trainer ({type(exc).__name__}: {first[:200]})") from None
     classes = ckpt.get("classes") or data.get("classes") or [str(i) for i in range(data["num_classes"])]
     conv = weights.get("conv1.weight")
     stem = Stem.small if conv is not None and tuple(conv.shape[2:]) == (3, 3) else Stem.imagenet
-    model = make_model(name, data["num_classes"], data["image_size"], stem)
+    # data.image_size: pixels, or a schedule of [from, size] pairs (the model is built for the largest)
+    trained = data["image_size"] if isinstance(data["image_size"], int) else max(s for _, s in data["image_size"])
+    model = make_model(name, data["num_classes"], trained, stem)
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:
         raise UserError(f"{path}: its weights do not fit {name}: {str(exc).splitlines()[-1].strip()}") from None
-    config = {"classes": classes, "image_size": data["image_size"], "mean": data["mean"], "std": data["std"]}
+    size = data.get("eval_size") or trained
+    resize = data.get("eval_resize") or round(size / export.EVAL_RATIO)
+    config = {"classes": classes, "image_size": size, "resize": resize, "mean": data["mean"], "std": data["std"]}
     return model.eval(), config | {"num_classes": len(classes), "architecture": name}
 
 
@@ -194,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     model = model.to(device)
-    size = config["image_size"]
-    cfg = LoaderConfig(batch_size=args.batch_size, image_size=size, train=False, workers=0, with_keys=True)
+    size, resize = config["image_size"], config.get("resize")  # evaluation's crop and resize (config.json)
+    cfg = LoaderConfig(
+        batch_size=args.batch_size, image_size=size, eval_resize=resize, train=False, workers=0, with_keys=True
+    )
     from tqdm import tqdm
 
     rows, skipped = [], []

@@ -54,10 +54,12 @@ class Reporter:
         else:
             print(text, flush=True)
 
-    def tick(self, step: int) -> None:
+    def tick(self, step: int, took: float | None = None, why: str = "") -> None:
+        """A step is done (``took`` seconds, said for the first one, with ``why`` it took that long)."""
         if self.since is None:
             self.since = (time.perf_counter(), step)
-            self.line(f"step {step}: the first step is done; a line every trainer.log_every steps follows")
+            timed = f" in {took:.1f}s{why}" if took is not None else ""
+            self.line(f"step {step}: the first step is done{timed}; a line every trainer.log_every steps follows")
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
@@ -99,7 +101,8 @@ class Reporter:
         self.progress(
             step,
             f"loss {values['train/loss']:.4f} acc {100 * values['train/acc']:.1f}% lr {values['train/lr']:.4g} "
-            f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
+            + (f"grad-norm {values['train/grad_norm']:.3g} " if "train/grad_norm" in values else "")
+            + f"{values['perf/samples_per_s']:.0f} samples/s data-wait {100 * values['perf/data_wait']:.0f}%"
             + (f" skipped {skipped_text(*bad, ',')}" if bad[0] or bad[2] else "")
             + ("" if self.bar is not None else self.eta(step)),  # tqdm shows its own
         )
@@ -170,6 +173,7 @@ class Window:
         self.cache = torch.zeros(len(CACHE_COUNTS), dtype=torch.int64)  # what the node cache did
         self.sources = torch.zeros(len(self.names), dtype=torch.int64)  # samples of each source
         self.samples = 0
+        self.norms: list[float] = []  # optim.clip_grad_norm: the gradients' norm before clipping, per step
         self.wait = 0.0  # seconds spent waiting for the loader
         self.paused = 0.0  # seconds of evaluation and checkpoints, not training
         self.start = time.perf_counter()
@@ -207,6 +211,10 @@ class Window:
         self.samples += len(labels)
         self.wait += wait
 
+    def add_norm(self, norm: float | None) -> None:
+        if norm is not None:
+            self.norms.append(norm)
+
     @contextmanager
     def pause(self) -> Iterator[None]:
         """Time spent here (evaluation, checkpoints) is not training time."""
@@ -236,8 +244,10 @@ class Window:
         totals.seconds += wall
         totals.samples += int(samples)
         totals.wait += wait_sum / world
+        # the same on every rank (DDP's gradients are): this rank's mean over the window's steps
+        norm = {"train/grad_norm": sum(self.norms) / len(self.norms)} if self.norms else {}
         self._clear()
-        return {
+        return norm | {
             "train/loss": loss_sum / samples,
             "train/acc": correct / samples,
             "train/lr": lr,
@@ -299,6 +309,8 @@ def done_line(summary: dict) -> str:
         parts.append(f"{summary['samples_per_s']:.0f} samples/s, data-wait {100 * summary['data_wait']:.1f}%")
     if summary["val_top1"] is not None:
         parts.append(f"val top-1 {100 * summary['val_top1']:.2f}% ({summary['val_samples']} samples)")
+        if summary.get("val_top1_ema") is not None:
+            parts.append(f"EMA {100 * summary['val_top1_ema']:.2f}%")
         if summary.get("val_weakest"):
             parts.append("weakest " + ", ".join(f"{name} {100 * top1:.1f}%" for name, top1 in summary["val_weakest"]))
     bad = (summary["skipped_samples"], summary["skipped_shards"], summary["skipped_shard_reads"])

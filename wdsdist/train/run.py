@@ -4,6 +4,7 @@ so they live beside it; the reporter (report.py) is handed only what it prints."
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,11 +15,13 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from wdsdist.data import CACHE_COUNTS, LoaderConfig
-from wdsdist.train import distributed, faults
+from wdsdist.train import distributed, faults, recipe
 from wdsdist.train.checkpoint import Checkpointer, Generation
 from wdsdist.train.distributed import Dist
+from wdsdist.train.ema import Ema
 from wdsdist.train.evaluate import Evaluator, OnDevice
 from wdsdist.train.feed import Feed
+from wdsdist.train.mixing import BatchMix
 from wdsdist.train.model import lr_at
 from wdsdist.train.report import Reporter, Window, epoch_line, fmt_time, plan_line
 
@@ -34,7 +37,7 @@ class Run:
     stop: faults.StopRequest
     watchdog: faults.Watchdog
     model: nn.Module  # the model itself: checkpoints, evaluation, fingerprints
-    ddp_model: nn.Module  # what trains: DDP around the model, or the model on one rank
+    ddp_model: nn.Module  # what trains: DDP around the model, or the model on one rank (compiled: trainer.compile)
     opt: torch.optim.Optimizer
     base_lr: float  # optim.lr scaled to the global batch
     steps: int
@@ -51,17 +54,36 @@ class Run:
     sources: tuple[tuple[str, str], ...] = ()
     # The run resumed in the middle of an epoch: that epoch's counts are of the part after the resume
     resumed_mid_epoch: bool = False
+    compiled: bool = False  # trainer.compile: ddp_model (and what is evaluated) compiled
+    mix: BatchMix | None = None  # trainer.mixup / trainer.cutmix
+    ema: Ema | None = None  # trainer.ema
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.base_lr, self.steps, self.cfg.optim.warmup)
+
+    def sync(self, now: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync on a micro-batch whose gradients are not reduced yet (not ``now``)."""
+        if now or self.dist.world == 1:
+            return contextlib.nullcontext()
+        return self.ddp_model.no_sync()
 
 
 # ---------------------------------------------------------------- the start and the end of a run
 
 
-def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None:
-    """The start-up lines: what runs where, from which checkpoint, and the loader's plan."""
+def global_batch(cfg: DictConfig, dist: Dist) -> int:
+    """The samples of one optimizer step over all ranks (what the learning rate scales with)."""
+    return cfg.trainer.batch_size * dist.world * cfg.trainer.accum_steps
+
+
+def report_start(
+    run: Run, resume_warnings: list[str], stale: list[str], compile_why: str = "", weight_lines: Iterable[str] = ()
+) -> None:
+    """The start-up lines: the pretrained start, what runs where, from which checkpoint, the
+    recipe and the loader's plan."""
     cfg, dist, report = run.cfg, run.dist, run.report
+    for line in weight_lines:
+        report.line(line)
     restarts = distributed.restart_count()
     again = f", restart {restarts} of torchrun" if restarts else ""
     if not restarts and run.generation.restarted:  # a node came or went: torchrun counts no restart
@@ -72,12 +94,14 @@ def report_start(run: Run, resume_warnings: list[str], stale: list[str]) -> None
         report.line(f"removed {len(stale)} file(s) a killed writer left: {', '.join(stale)}", console=False)
     report.line(
         f"run dir {run.run_dir}: {cfg.model.name} on {dist.world} x {dist.device.type}, {run.steps} steps of "
-        f"{cfg.trainer.batch_size} per rank (global {cfg.trainer.batch_size * dist.world}), lr {run.base_lr:.4g}, "
+        f"{cfg.trainer.batch_size} per rank (global {global_batch(cfg, dist)}), lr {run.base_lr:.4g}, "
         f"loader.mode={cfg.loader.mode.value}"
         + again
         + (f", resumed from {run.resume_path} at step {run.start}" if run.resume_path else "")
     )
     report.line(loader_line(run.feed.loader.config, run.feed.loader.gpu_decoder))
+    for line in recipe.recipe_lines(cfg, compile_why):
+        report.line(line)
     if run.on_device.amp_note:
         report.line(run.on_device.amp_note)
     specs = [s.shards for s in cfg.data.sources] if cfg.data.sources is not None else [cfg.data.train_shards]
@@ -189,6 +213,9 @@ def summarize(run: Run, step: int, fingerprints: list[tuple[int, str]]) -> dict:
         "data_wait": totals.wait / totals.seconds if totals.seconds else None,
         "val_top1": last_eval.get("top1"),
         "val_loss": last_eval.get("loss"),
+        # trainer.ema: the EMA's top-1 and loss on data.val_shards (model.safetensors holds its weights)
+        "val_top1_ema": run.evaluator.results.get("EMA", {}).get(None, {}).get("top1"),
+        "val_loss_ema": run.evaluator.results.get("EMA", {}).get(None, {}).get("loss"),
         "val_samples": last_eval.get("samples"),
         "val_class_samples": last_eval.get("class_samples"),
         "val_class_correct": last_eval.get("class_correct"),
@@ -217,10 +244,11 @@ def hparams_of(run: Run) -> dict[str, Any]:
         "optim": cfg.optim.name.value,
         "lr": run.base_lr,
         "batch_size": cfg.trainer.batch_size,
-        "global_batch": cfg.trainer.batch_size * run.dist.world,
+        "global_batch": global_batch(cfg, run.dist),
+        "accum_steps": cfg.trainer.accum_steps,
         "world": run.dist.world,
         "steps": run.steps,
-        "image_size": cfg.data.image_size,
+        "image_size": recipe.hparam_size(cfg),
         "loader_mode": cfg.loader.mode.value,
         "data": cfg.data.name,
     }

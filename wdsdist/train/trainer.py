@@ -16,14 +16,13 @@ import time
 from typing import Any, NoReturn
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, Source, expand_shards
 from wdsdist.errors import UserError
 from wdsdist.tools.outfolder import make_output_folder
 from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_is_current
-from wdsdist.train import classes, distributed, export, faults
+from wdsdist.train import classes, distributed, export, faults, recipe
 from wdsdist.train.checkpoint import (
     Checkpointer,
     Generation,
@@ -38,12 +37,15 @@ from wdsdist.train.checkpoint import (
 )
 from wdsdist.train.config import LoaderMode, check, given_keys
 from wdsdist.train.distributed import Dist, on_all_ranks
+from wdsdist.train.ema import Ema
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed
-from wdsdist.train.model import build_optimizer, pretrained, seeded_model, wrap_ddp
+from wdsdist.train.mixing import BatchMix
+from wdsdist.train.model import build_optimizer, compiled, pretrained, seeded_model, synced_batchnorm, wrap_ddp
 from wdsdist.train.pins import pin_data, pinned
 from wdsdist.train.report import Reporter, Window, done_line
-from wdsdist.train.run import Run, hparams_of, report_epoch, report_start, summarize
+from wdsdist.train.run import Run, global_batch, hparams_of, report_epoch, report_start, summarize
+from wdsdist.train.step import gather, train_step
 
 # ---------------------------------------------------------------- data
 
@@ -87,6 +89,7 @@ def source_key(section: str, name: str) -> str:
 def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
     # data and loader extend the loader's own option classes: their fields pass over by name. The
     # ranks per node (loader.shard_order=node keeps shards per node) come from torchrun, via Dist.
+    # data.image_size may be a schedule (recipe.py): the loader gets the largest and the schedule.
     t = cfg.trainer
     return LoaderConfig.from_sections(
         cfg.data,
@@ -96,6 +99,8 @@ def loader_config(cfg: DictConfig, d: Dist, seed: int) -> LoaderConfig:
         seed=seed,
         pin_memory=d.device.type == "cuda",
         node_ranks=d.local_world,
+        image_size=recipe.largest(cfg),
+        size_schedule=recipe.schedule(cfg),
     )
 
 
@@ -202,15 +207,44 @@ def loader_state_of(ckpt: dict) -> dict | list:
     return state if isinstance(state, dict) else {"ranks": state, "steps": int(ckpt["step"])}
 
 
-def epoch_steps(loader: Loader, epochs: int, done: int) -> int:
-    """trainer.epochs as steps: the steps done, the rest of the epoch under way, and whole epochs
-    to ``epochs``. After an elastic resume the epoch under way has its own length (the remaining
-    samples re-split) and the later ones the new layout's, so the total differs from the first
-    run's; the learning rate schedule follows the new total (lr_at reads it every step)."""
+def epoch_steps(loader: Loader, epochs: int, done: int, accum: int = 1) -> int:
+    """trainer.epochs as steps: the steps done, then the rest of the epoch under way and whole
+    epochs to ``epochs``, in batches, ``accum`` of them a step (a step may span an epoch's end; a
+    last part short of a step is not trained). After an elastic resume the epoch under way has
+    its own length (the remaining samples re-split) and the later ones the new layout's, so the
+    total differs from the first run's; the learning rate schedule follows the new total (lr_at
+    reads it every step)."""
     epoch = loader.epoch
     if epoch >= epochs:
         return done
-    return done + len(loader) - loader.batches_done + (epochs - epoch - 1) * (loader.batches_per_epoch or 0)
+    batches = len(loader) - loader.batches_done + (epochs - epoch - 1) * (loader.batches_per_epoch or 0)
+    return done + batches // accum
+
+
+def pretrained_and_classes(cfg: DictConfig, dist: Dist, run_dir: str) -> Any:
+    """The pretrained start (model.weights: its mean, std and size set in ``cfg`` first), and the
+    class names, written into the run directory with the config that holds them."""
+    start_from = on_all_ranks(lambda: pretrained(cfg, given_keys()))
+    names = on_all_ranks(lambda: classes.resolve(cfg, loader_config(cfg, dist, cfg.seed)))
+    if dist.is_main:
+        classes.write(run_dir, names)
+        write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))  # with them
+    return start_from
+
+
+def trained_parts(
+    cfg: DictConfig, dist: Dist, start_from: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Ema | None, float, list[str]]:
+    """The model on this rank's device (SyncBatchNorm where asked: trainer.sync_bn), its optimizer
+    at the global batch's learning rate and its EMA (trainer.ema); the lines to say about its
+    weights. The EMA starts as the model (a resume then loads it)."""
+    model, weight_lines = seeded_model(cfg, dist, start_from)
+    model = on_all_ranks(lambda: synced_batchnorm(model, cfg, dist))
+    base_lr = cfg.optim.lr * global_batch(cfg, dist) / 256
+    opt = build_optimizer(cfg, model, base_lr)
+    e = cfg.trainer.ema
+    ema = Ema(model, e.decay, e.every, e.warmup) if e.decay > 0 else None
+    return model, opt, ema, base_lr, weight_lines
 
 
 def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: faults.Watchdog) -> Run:
@@ -219,32 +253,26 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
     started = time.perf_counter()
     run_dir, stale, generation = prepare_run_dir(cfg, dist)
     watchdog.prefix = f"wdsdist/generation_{generation.number}"  # fresh keys for each start
-    start_from = on_all_ranks(lambda: pretrained(cfg, given_keys()))  # its mean, std and size first
-    names = on_all_ranks(lambda: classes.resolve(cfg, loader_config(cfg, dist, cfg.seed)))
-    if dist.is_main:
-        classes.write(run_dir, names)
-        write_text(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))  # with them
-    model, weight_lines = seeded_model(cfg, dist, start_from)
-    global_batch = cfg.trainer.batch_size * dist.world
-    base_lr = cfg.optim.lr * global_batch / 256
-    opt = build_optimizer(cfg, model, base_lr)
+    start_from = pretrained_and_classes(cfg, dist, run_dir)
+    model, opt, ema, base_lr, weight_lines = trained_parts(cfg, dist, start_from)
     resume_path, ckpt, resume_warnings = load_resume(cfg, dist, run_dir, generation.restarted)
     loader_cfg = loader_config(cfg, dist, cfg.seed)
     pins = pin_data(cfg, dist, loader_cfg, ckpt, run_dir)
     train_loader, eval_loaders = build_loaders(cfg, dist, loader_cfg, ckpt, resume_path, pins)
-    mix = train_loader.mix
-    sources = tuple((s.name, s.setting) for s in mix.sources) if mix is not None else ()
+    sources = tuple((s.name, s.setting) for s in train_loader.mix.sources) if train_loader.mix is not None else ()
     resumed_mid_epoch = ckpt is not None and cfg.loader.mode == LoaderMode.epoch and train_loader.batches_done > 0
     start = 0
     if ckpt is not None:
-        start = on_all_ranks(lambda: restore(ckpt, resume_path, dist, cfg, model, opt))
+        start = on_all_ranks(lambda: restore(ckpt, resume_path, dist, cfg, model, opt, ema))
         del ckpt
-    steps = cfg.trainer.steps if cfg.trainer.epochs is None else epoch_steps(train_loader, cfg.trainer.epochs, start)
+    t = cfg.trainer
+    steps = t.steps if t.epochs is None else epoch_steps(train_loader, t.epochs, start, t.accum_steps)
     ddp_model = wrap_ddp(model, dist)
+    compiles, compile_why = recipe.compile_choice(t.compile, dist.device.type)
     on_device = OnDevice(cfg, dist)
     report = Reporter(dist, run_dir, steps, start)
-    for line in weight_lines if resume_path is None else ():  # a resume has its weights from the checkpoint
-        report.line(line)
+    maybe = compiled if compiles else (lambda module: module)  # trainer.compile: what trains and is evaluated
+    evaluated = {"model": maybe(model)} | ({"EMA": maybe(ema.model)} if ema else {})
     run = Run(
         cfg=cfg,
         dist=dist,
@@ -253,7 +281,7 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
         stop=stop,
         watchdog=watchdog,
         model=model,
-        ddp_model=ddp_model,
+        ddp_model=maybe(ddp_model),
         opt=opt,
         base_lr=base_lr,
         steps=steps,
@@ -263,63 +291,48 @@ def setup(cfg: DictConfig, dist: Dist, stop: faults.StopRequest, watchdog: fault
         report=report,
         feed=Feed(cfg, dist, train_loader, stop, report),
         window=Window(dist, [name for name, _ in sources]),
-        evaluator=Evaluator(cfg, dist, model, eval_loaders, on_device, steps, report, watchdog),
-        checkpointer=Checkpointer(run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation, pins),
+        evaluator=Evaluator(cfg, dist, evaluated, eval_loaders, on_device, steps, report, watchdog),
+        checkpointer=Checkpointer(
+            run_dir, dist, cfg, model, opt, train_loader, report, watchdog, generation, pins, ema
+        ),
         generation=generation,
         sources=sources,
         resumed_mid_epoch=resumed_mid_epoch,
+        compiled=compiles,
+        mix=BatchMix(t.mixup, t.cutmix, cfg.data.num_classes, cfg.seed, dist.rank) if t.mixup or t.cutmix else None,
+        ema=ema,
     )
-    report_start(run, resume_warnings, stale)
+    # a resume has its weights from the checkpoint: nothing to say of the start's
+    report_start(run, resume_warnings, stale, compile_why, weight_lines if resume_path is None else [])
     return run
 
 
 # ---------------------------------------------------------------- the loop
 
 
-def train_step(run: Run, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One optimizer step at this step's learning rate; the loss, logits and labels, for the metrics."""
-    images = run.on_device.images(batch["image"])
-    labels = run.on_device.labels(batch["label"])  # in [0, num_classes): the loader skips (or strict stops at) others
-    with run.on_device.autocast():
-        logits = run.ddp_model(images)
-        loss = F.cross_entropy(logits, labels, label_smoothing=run.cfg.optim.label_smoothing)
-    run.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    lr = run.lr_at(step)
-    for group in run.opt.param_groups:
-        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr  # model.freeze_steps
-    run.opt.step()
-    return loss, logits, labels
-
-
 def train_loop(run: Run) -> int:
     """Steps from run.start to run.steps, then the last evaluation and checkpoint; the step reached.
     A stop request (SIGTERM on any rank) ends every rank at one step, with a checkpoint."""
-    feed, window, watchdog = run.feed, run.window, run.watchdog
+    feed, window = run.feed, run.window
     step, stop_all = run.start, False
     run.stop.install()
-    watchdog.start()
+    run.watchdog.start()
     run.ddp_model.train()
     while step < run.steps:
-        watchdog.beat(step, "data")
-        faults.stall_for_test(run.dist.rank, step)
-        faults.hold_for_test(run.dist.rank, step, run.generation.number, lambda: run.stop.requested)
-        batch, wait = feed.next()
-        watchdog.beat(step, "step")
-        stop_all, ran_out = feed.agree(batch)
-        if ran_out:
-            report_epoch(run, step)
-            feed.end_epoch_together(step, batch)
-            if stop_all:
-                break
-            continue
-        window.add_batch(batch)
-        run.report.first_images(batch["image"], step)
-        loss, logits, labels = train_step(run, batch, step)
-        faults.trace_for_test(run.dist.rank, step, batch, run.generation.number)
+        batches, waits, stop_all = gather(run, step)
+        if not batches:
+            break
+        t0 = time.perf_counter()
+        micro, norm = train_step(run, batches, waits, step)
+        took = time.perf_counter() - t0
+        for batch in batches:
+            faults.trace_for_test(run.dist.rank, step, batch, run.generation.number)
+        faults.pixels_for_test(run.dist.rank, step, batches)
         step += 1
-        run.report.tick(step)
-        window.add_step(loss, logits, labels, wait)
+        run.report.tick(step, took, " (compiling the model: trainer.compile)" if run.compiled else "")
+        for m in micro:
+            window.add_step(m.loss, m.logits, m.labels, m.wait)
+        window.add_norm(norm)
         if step % run.cfg.trainer.log_every == 0 or step == run.steps or stop_all:
             run.report.metrics(step, window.reduce(lr=run.lr_at(step)))
         with window.pause():
@@ -378,7 +391,8 @@ def finish(run: Run, step: int) -> dict:
         metrics = {"hparam/val_top1": summary["val_top1"] or 0.0, "hparam/val_loss": summary["val_loss"] or 0.0}
         run.report.hparams(hparams_of(run), metrics)
         write_text(os.path.join(run.run_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
-        export.export(run.run_dir, run.cfg, run.model, step)  # model.safetensors + config.json
+        # model.safetensors + config.json: the EMA's weights where there is one (as timm and torchvision ship)
+        export.export(run.run_dir, run.cfg, run.ema.model if run.ema else run.model, step, ema=run.ema)
     run.report.line(done_line(summary))
     run.report.close()
     return summary
