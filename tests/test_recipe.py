@@ -273,3 +273,18 @@ def test_a_bad_recipe_value_stops_at_start_in_one_line_naming_it(override, messa
 def test_a_recipe_option_that_does_not_go_with_another_is_refused_naming_both(overrides, message):
     with pytest.raises(UserError, match=message):
         config.check(compose_config(overrides))
+
+
+def test_the_exported_config_names_the_ema_and_evaluations_sizes_which_predict_takes(tmp_path):
+    from wdsdist.train import export
+    from wdsdist.train.predict import load_model
+
+    overrides = ["data.image_size=[[0,16],[0.5,24]]", "data.eval_size=20", "data.eval_resize=28", "data.num_classes=10"]
+    cfg = compose_config([*overrides, "data.classes=[a,b,c,d,e,f,g,h,i,j]"])
+    model = build_model(cfg)
+    ema = Ema(model, decay=0.9)
+    ema.update(model)
+    export.export(str(tmp_path), cfg, ema.model, step=7, ema=ema)
+    _, said = load_model(str(tmp_path))
+    assert (said["image_size"], said["resize"], said["train_size"], said["weights"]) == (20, 28, 24, "ema")
+    assert said["ema"] == {"decay": 0.9, "every": 1, "updates": 1}

@@ -95,3 +95,16 @@ def test_every_rank_switches_size_at_an_epochs_start_and_a_resize_keeps_each_sam
     # the rest of epoch 0 (2 x 16 samples), then epoch 1 whole (96) on the new layout
     assert len(after) == 32 + 96
     assert all(pixels[r[2], r[3]] == r[5] for r in after)
+
+
+def test_a_compiled_model_trains_under_ddp_and_evaluates(shards, tmp_path):  # noqa: F811
+    """trainer.compile=true on two ranks: the DDP model that trains and the model evaluated are
+    compiled (traced by dynamo; its eager backend spares the suite the code generation),
+    the ranks agree, and the first step's line says it compiled."""
+    run = tmp_path / "run"
+    extra = ("model.name=squeezenet1_1", "trainer.workers=1", "trainer.steps=3", "trainer.compile=true")
+    proc = ranks(2, *overrides(shards, run, *extra), env={"WDSDIST_TEST_COMPILE_BACKEND": "eager"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(compiling the model: trainer.compile)" in proc.stdout and "trainer.compile=true" in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert len(set(summary["rank_params"])) == 1 and summary["val_samples"] == 45
