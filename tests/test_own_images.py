@@ -11,35 +11,16 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tests.conftest import ROOT, one_error_line, run_script
+from tests.helpers.digits import NAMES, digits_tree
 
-NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 COMMON = ["trainer.device=cpu", "trainer.workers=1", "trainer.batch_size=32", "trainer.log_every=10"]
 # 16 pixels: the 8x8 digits lose nothing (the source run's val top-1 is 99.2 %, as at 32) and a
 # step costs a third of 32's (bench/results/2026-11-28-finetune-16px.md)
 COMMON += ["trainer.ckpt_every=0", "data.image_size=16", "data.crop_scale=[0.6,1.0]"]
-
-
-def digits_tree(root: Path, digits: list[int], train: int, val: int, first: int = 0, ink: bool = False) -> None:
-    """root/train/NAME/*.png and root/val/NAME/*.png: the 8x8 digits upscaled to 40 pixels, from
-    each digit's ``first`` image on; ``ink``: dark digits on white, not white on black."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    for d in digits:
-        images = data.images[data.target == d][first:]
-        images = 16 - images if ink else images
-        for split, chunk in (("train", images[:train]), ("val", images[train : train + val])):
-            folder = root / split / NAMES[d]
-            folder.mkdir(parents=True, exist_ok=True)
-            for i, image in enumerate(chunk):
-                grey = Image.fromarray((image * 16).clip(0, 255).astype(np.uint8)).resize((40, 40), Image.BILINEAR)
-                grey.convert("RGB").save(folder / f"{i:03d}.png")
 
 
 def shards(root: Path, tmp: Path) -> tuple[str, str]:
