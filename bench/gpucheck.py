@@ -74,6 +74,7 @@ class Sizes:
     cpu_rows: bool = True  # (c), (d): the CPU decode rows beside the GPU's
     decode_threads: tuple[int, ...] = (1,)  # (c), (d): loader.gpu_decode_threads for GPU decode
     decode_shares: tuple[float, ...] = (1.0,)  # (c), (d): loader.gpu_decode_share for GPU decode
+    compile_rows: bool = False  # (c): each model's CPU-decode row again with trainer.compile=true
 
 
 GPU = Sizes(
@@ -314,6 +315,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="(c), (d): loader.gpu_decode_share for GPU decode, the share the GPU decodes (default: 1)",
     )
     p.add_argument("--models", nargs="+", help="(c): these models only (default: resnet50 resnet18)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="(c): each model again with trainer.compile=true beside its eager CPU-decode row (and the compile time)",
+    )
     return p.parse_args(argv)
 
 
@@ -354,6 +360,8 @@ def sized(args: argparse.Namespace) -> Sizes:
         sizes = replace(sizes, decode_shares=tuple(args.decode_shares))
     if args.models:
         sizes = replace(sizes, models=tuple(args.models))
+    if args.compile:
+        sizes = replace(sizes, compile_rows=True)
     return sizes
 
 

@@ -87,7 +87,7 @@ def imagenet_table(part: dict) -> list[str]:
     rows = [
         [
             r["model"],
-            r["decode"],
+            r["decode"] + (f", first step {seconds(r['first_step_s'])}" if "first_step_s" in r else ""),
             workers(r),
             num(r.get("steady_samples_per_s")),
             num(r.get("pure_compute")),

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW = re.compile(r"^step (\d+)(?:/\d+)? loss .*? (\d+(?:\.\d+)?) samples/s data-wait (\d+)%", re.MULTILINE)
 PLAN_WORKERS = re.compile(r"^plan: .* over \d+ ranks x (\d+) workers", re.MULTILINE)
 LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and why, where it decodes
+FIRST_STEP = re.compile(r"the first step is done in ([\d.]+)s")  # trainer.compile: its compile time inside
 HOST_LINE = re.compile(
     r"host time per batch: decode ([\d.]+) ms \(([\d.]+) ms of it its thread's CPU\), "
     r"resize ([\d.]+) ms, hand-over ([\d.]+) ms"
@@ -152,8 +153,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: bool = False) -> dict:
-    """Run train.py (under torchrun if asked) into WORK/runs/NAME and read what it says."""
+def train_py(
+    check: Any, name: str, overrides: list[str], after: int, torchrun: bool = False, env: dict | None = None
+) -> dict:
+    """Run train.py (under torchrun if asked, with ``env`` added to the environment) into
+    WORK/runs/NAME and read what it says."""
     run_dir = check.work / "runs" / name
     args = [*overrides, f"outputs={check.work / 'outputs'}", f"run_dir={run_dir}"]
     launch = ["-m", "wdsdist.train.launch", "--nproc_per_node=1", f"--master_port={free_port()}"] if torchrun else []
@@ -164,7 +168,7 @@ def train_py(check: Any, name: str, overrides: list[str], after: int, torchrun: 
     check.say(f"  {'torchrun' if torchrun else 'train.py'} {' '.join(overrides)}")
     (check.work / "runs").mkdir(parents=True, exist_ok=True)
     out_path = check.work / "runs" / f"{name}.out"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     t0 = time.perf_counter()
     with open(out_path, "w") as out, CpuWatch(run_dir / "train.log") as watch:
         if check.preloaded:
@@ -351,20 +355,29 @@ def imagenet_size(check: Any, part: dict) -> None:
         pure = pure_compute(common, sizes.device, sizes.compute_steps)
         check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
         configs = [("cpu", sizes.cpu_workers, {})] if sizes.cpu_rows else []
+        configs += [("cpu (compiled)", sizes.cpu_workers, {})] if sizes.compile_rows else []
         configs += [(label, str(w), options) for label, w, options in gpu_rows(sizes)]
         for decode, workers, options in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
             part["rows"].append(row)
-            if decode != "cpu" and check.cpu:
+            if not decode.startswith("cpu") and check.cpu:
                 row |= {"status": "skipped", "error": "GPU decode needs CUDA (--cpu rehearsal)"}
                 continue
             if check.left() < 30:  # a row needs its warm-up and steady steps: none begun so late
                 row |= {"status": "skipped", "error": f"the time budget ({sizes.budget_s:.0f} s) is spent"}
                 continue
             extra = [f"trainer.workers={workers}"] + [f"loader.{k}={v}" for k, v in options.items()]
+            compiled = decode.endswith("(compiled)")
+            extra += ["trainer.compile=true"] if compiled else []
+            # The rehearsal traces with dynamo's eager backend: inductor's code generation is the GPU
+            # run's to time, and its compile workers do not end in a run forked from the preloaded Python.
+            env = {"WDSDIST_TEST_COMPILE_BACKEND": "eager"} if compiled and check.cpu else None
             name = f"c-{model}-{re.sub(r'[^a-z0-9]+', '-', decode)}-{workers}"
-            result = train_py(check, name, common + extra, sizes.warmup)
+            result = train_py(check, name, common + extra, sizes.warmup, env=env)
             row |= run_row(result, sizes.warmup, sizes.batch)
+            first = FIRST_STEP.search(result.get("log", ""))
+            if first and compiled:  # the compile time is in it
+                row["first_step_s"] = float(first.group(1))
             row["decode_busy"] = decode_busy(row, options.get("gpu_decode_threads", 1), sizes.batch)
             beside(row, pure)
             check.save()

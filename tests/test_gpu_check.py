@@ -40,7 +40,7 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     scratch.mkdir()
     # A fresh process (run_script's are forked from one that read TMPDIR already).
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    cmd = [sys.executable, "bench/gpucheck.py", "--cpu", "--out", str(out)]
+    cmd = [sys.executable, "bench/gpucheck.py", "--cpu", "--out", str(out), "--compile"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [md], [png], [js] = (sorted(out.glob(f"*-gpu-check.{ext}")) for ext in ("md", "png", "json"))
@@ -56,9 +56,10 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
     labels = [f"gpu/{d}{s}" for s in ("", " (50% on the GPU)") for d in ("torchvision", "nvimgcodec")]
     gpus = [(label, "2") for label in labels]
-    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), *gpus])
+    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), ("cpu (compiled)", "1"), *gpus])
+    assert c["resnet18", "cpu (compiled)", "1"]["first_step_s"] > 0  # --compile: the compile time beside the rate
     for (_, decode, _), row in c.items():
-        if decode == "cpu":
+        if decode.startswith("cpu"):
             assert row["status"] == "ok" and row["steady_samples_per_s"] > 0 and row["workers_used"] == 1
         else:
             assert row["status"] == "skipped" and "CUDA" in row["error"]
