@@ -79,9 +79,10 @@ class Loader:
     (docs/several-datasets.md). Their batches also hold ``source`` (int64, N: each sample's
     source, its index in that list), and ``config.mix`` says how a batch mixes them.
     ``rank`` and ``world``: by default torch.distributed's (or 0 and 1 without it).
-    ``transform``: applied in the worker to each training image after its crop and flip: takes
-    and returns a uint8 3 x S x S tensor (for example ``torchvision.transforms.v2.ColorJitter``);
-    it must be picklable where workers are spawned. ``group``: the process group for
+    ``transform``: applied in the worker to each training image after its crop, flip and
+    ``config.augment``: takes and returns a uint8 3 x S x S tensor (for example
+    ``torchvision.transforms.v2.ColorJitter``; its own random draws are not the sample's, so a
+    resume draws them anew); it must be picklable where workers are spawned. ``group``: the process group for
     ``state_dict``'s gather (default: torch.distributed's). ``mark_taken``: count a batch as
     consumed only once ``taken(batch)`` is called (for a caller that fetches ahead of what it
     trains, as Lightning does for a loader without a length).
