@@ -108,6 +108,11 @@ FOUND = {
         ),
         [13, 0],
     ),  # fmt: skip
+    # a size schedule in repeat mode: resized, a sample comes in another batch, at that batch's size
+    "a resized repeat run's sizes are its batches'": (
+        case((Data((1, 1, 1)),), 1, ((1, 0), (2, 0)), mode="repeat", sizes=((0, 8), (1, 12))),
+        [0],
+    ),
 }
 
 

@@ -105,7 +105,7 @@ class Sequence:
     shards: Shards
     mix: object  # the Loader's Mix, or None
     cache: dict[int, tuple[int, list[int], object]] = field(default_factory=dict)
-    pixels: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, tag) -> its pixels' CRC, as delivered
+    pixels: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (epoch, tag, size) -> its pixels' CRC
 
     def _epoch(self, epoch: int) -> tuple[int, list[int], object]:
         if epoch not in self.cache:
@@ -303,10 +303,10 @@ def check_coverage(case: Case, seq: Sequence, delivered: dict[int, list[int]], e
             assert all(t < n for t in tags) and len(tags) == len(set(tags)), f"epoch {epoch}: drop repeated one"
 
 
-def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict[tuple[int, int], int]) -> None:
+def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict[tuple[int, int, int], int]) -> None:
     """Each batch at its planned size (the size schedule: by epoch, or by the rank's batches since
-    the run began); with split=samples, a sample's pixels the same whenever and wherever it is
-    delivered (its draws come from its epoch and position: seeds.sample_draws)."""
+    the run began); with split=samples, a sample's pixels at a size the same whenever and wherever
+    it is delivered (its draws come from its epoch and position: seeds.sample_draws)."""
     for rank, run in enumerate(runs):
         for i, g in enumerate(run.steps):
             want = case.size_at(g.epoch, steps_taken + i)
@@ -316,7 +316,8 @@ def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict
             if case.split != "samples":
                 continue
             for e, t, crc in zip(g.epochs, g.tags, g.pixels, strict=True):
-                assert pixels.setdefault((e, t), crc) == crc, f"epoch {e} position {t}: other pixels than before"
+                # keyed by size too: in repeat mode a sample's size is its batch's, which the layout decides
+                assert pixels.setdefault((e, t, g.size), crc) == crc, f"epoch {e} position {t}: other pixels"
 
 
 # ---------------------------------------------------------------- a case, from start to end
