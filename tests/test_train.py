@@ -175,9 +175,12 @@ def test_epoch_mode_runs_whole_epochs(shards, tmp_path):
     assert ckpt["loader"]["ranks"][0]["point"]["epoch"] == 2 and ckpt["loader"]["ranks"][0]["batches"] == 0
 
 
-def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_path):
+def test_two_ranks_agree_and_count_every_val_sample(shards, tmp_path):
+    # The ranks forked with the environment torchrun gives them (tests/helpers/training.py): what
+    # they do is the point here; torchrun's own agent runs this job in tests/test_faults_train.py
+    # (a restart, SIGTERM) and tests/test_remote_and_multinode.py (two nodes, with evaluation).
     run = tmp_path / "run"
-    proc = torchrun(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
+    proc = ranks(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world"] == 2
