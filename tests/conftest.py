@@ -70,6 +70,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def frozen_heap():
+    """The same again as each test module starts, once the modules before it have been torn down
+    and their garbage collected: what a pytest process keeps of the tests it ran (their reports,
+    caches) stays out of later collections, and a test that thawed the heap (tests/helpers/
+    exactness.py's runs freeze and thaw it around each part) leaves it thawed for its module only."""
+    gc.collect()
+    gc.freeze()
+
+
 def jpeg(index: int, size: int = 8) -> tuple[bytes, int]:
     img, label = synthetic.draw(index, size=size)
     buf = io.BytesIO()

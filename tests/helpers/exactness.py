@@ -379,11 +379,9 @@ def run_ranks(
     """Every rank's run of a part, one rank after another, each resumed from ``state`` if given."""
     runs = []
     # A full collection walks the whole heap (torch, hypothesis, pytest: ~0.2 s CPU each, over half
-    # of this test's CPU); frozen, what was there before the part is left out of it. Under pytest
-    # the heap is frozen already (tests/conftest.py): then it is left as it is.
-    thaw = gc.get_freeze_count() == 0
-    if thaw:
-        gc.freeze()
+    # of this test's CPU); frozen, what was there before the part is left out of it. (Under pytest
+    # this thaws what tests/conftest.py froze too; it freezes the heap again as the next module starts.)
+    gc.freeze()
     try:
         for rank in range(shape.world):
             loader = make_loader(case, shards, shape, rank)
@@ -393,8 +391,7 @@ def run_ranks(
             del loader
             gc.collect()  # this rank's workers end before the next rank's start
     finally:
-        if thaw:
-            gc.unfreeze()
+        gc.unfreeze()
     return runs
 
 
