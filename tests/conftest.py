@@ -164,8 +164,8 @@ def run_script(
     ranks: int | None = None,
     preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """Run a top-level script of the project (or -c CODE ARGS, or the venv's torchrun) with the venv's Python,
-    capturing its output. The process is forked from a Python that has torch, torchvision,
+    """Run a top-level script of the project (or -c CODE ARGS, -m MODULE ARGS, or the venv's torchrun)
+    with the venv's Python, capturing its output. The process is forked from a Python that has torch, torchvision,
     webdataset and Hydra imported (tests/preloaded.py): a fresh process in all else, seconds
     sooner. ``ranks``: that many processes, the ranks of one job on this node, as torchrun
     starts them (tests/helpers/training.py's ``ranks``); their output in one stdout and stderr.
