@@ -61,6 +61,9 @@ def run_child(request: dict) -> None:
         main.__builtins__ = __builtins__
         sys.modules["__main__"] = main
         exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":  # as python -m does: the cwd first on the path, argv[0] the module's file
+        sys.argv, sys.path[0] = list(argv[1:]), os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         script = os.path.abspath(argv[0])
         sys.argv, sys.path[0] = list(argv), os.path.dirname(script)

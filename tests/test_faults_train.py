@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import ROOT, jpeg, one_error_line, run_script, write_tiny_shards
 from tests.helpers.training import fast_args as args
-from tests.helpers.training import free_port, load, ranks, torchrun
+from tests.helpers.training import free_port, load, ranks
 from tests.helpers.training import shards as shards  # noqa: F401  (the module's fixture, reused)
 
 pytestmark = pytest.mark.slow  # real training processes
@@ -313,7 +313,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_resume_conti
     assert ckpt["step"] == step and [s["rank"] for s in ckpt["loader"]["ranks"]] == [0, 1]
     assert not list(run.glob("*.tmp*"))
 
-    proc = torchrun(2, *args(shards, run, "trainer.resume=auto", f"trainer.steps={step + 2}"))
+    # The resume is the ranks' own work: forked with torchrun's environment (tests/helpers/training.py)
+    proc = ranks(2, *args(shards, run, "trainer.resume=auto", f"trainer.steps={step + 2}"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_step"] == step and summary["rank_steps"] == [step + 2] * 2

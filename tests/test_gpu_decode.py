@@ -7,8 +7,6 @@ from __future__ import annotations
 import collections
 import io
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import webdataset as wds
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 
-from tests.conftest import write_tiny_shards
+from tests.conftest import run_script, write_tiny_shards
 from tests.helpers.jpegs import encode
 from wdsdist.data import DataError, Loader, LoaderConfig, UserError
 from wdsdist.data.decode import gpu
@@ -209,12 +207,7 @@ def test_decode_gpu_without_cuda_stops_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^loader\.decode=gpu: torch sees no CUDA GPU here .*use loader\.decode=cpu"):
         exec(compile(code, "<test>", "exec"), {})
     # The trainer's line: one error line and exit 2, no traceback
-    done = subprocess.run(
-        [sys.executable, "train.py", "loader.decode=gpu", "trainer.steps=1", f"outputs={tmp_path}"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+    done = run_script("train.py", "loader.decode=gpu", "trainer.steps=1", f"outputs={tmp_path}")
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: loader.decode=gpu: this run trains on the CPU (trainer.device=auto: torch sees no")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.conftest import run_script
 from wdsdist.errors import JobError, UserError
 from wdsdist.train import distributed
 from wdsdist.train.distributed import arch_unsupported, bf16_autocast, cuda_unusable, driver_version
@@ -213,30 +213,35 @@ def test_a_batch_stacked_without_a_free_shared_buffer_is_pinned_when_pin_memory_
 # ---------------------------------------------------------------- 6: BatchNorm's buffers in one broadcast
 
 
-def _broadcast_rank(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(rank)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(5))
-        for _ in range(rank + 1):  # rank-dependent statistics and counters
-            model[1](torch.randn(2, 4, 3, 3))
-            model[2](torch.randn(3, 5))
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        distributed.broadcast_tensors(list(model.buffers()))
-        torch.save({"before": before, "after": model.state_dict()}, out)
-    finally:
-        dist.destroy_process_group()
+# Each rank, forked from the tests' preloaded Python with torchrun's environment (tests/preloaded.py):
+# a fork of a process that ran torch may deadlock, and that one has run none of it.
+BROADCAST_RANK = """
+import os, sys
+import torch
+import torch.distributed as dist
+from wdsdist.train import distributed
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
+try:
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(5))
+    for _ in range(rank + 1):  # rank-dependent statistics and counters
+        model[1](torch.randn(2, 4, 3, 3))
+        model[2](torch.randn(3, 5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    distributed.broadcast_tensors(list(model.buffers()))
+    torch.save({"before": before, "after": model.state_dict()}, sys.argv[2].format(rank=rank))
+finally:
+    dist.destroy_process_group()
+"""
 
 
 def test_batchnorm_buffers_that_differ_become_rank_0s_on_every_rank(tmp_path):
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    ctx = mp.get_context("spawn")  # a fork of a process that ran torch may deadlock
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, str(tmp_path / "store"), outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    store, out = str(tmp_path / "store"), str(tmp_path / "rank{rank}.pt")
+    proc = run_script("-c", BROADCAST_RANK, store, out, env={"OMP_NUM_THREADS": "1"}, ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (torch.load(o, weights_only=True) for o in outs)
     buffers = [k for k in r0["before"] if "running" in k or "num_batches" in k]
     assert len(buffers) == 6

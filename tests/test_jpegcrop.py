@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from tests.conftest import ROOT, write_tiny_shards
+from tests.conftest import ROOT, run_script, write_tiny_shards
 from tests.helpers.jpegs import LIB, encode, first_batches, needs_lib, whole
 from wdsdist.data.decode import jpegcrop
 from wdsdist.data.decode.jpegcrop import CropDecoder, JpegError, crop_decoder, region
@@ -328,9 +328,7 @@ def test_a_killed_compiles_temporaries_are_removed_on_the_next_load(tmp_path):
 def test_the_module_command_the_image_runs_loads_the_library():
     """Dockerfile and deploy/check-image.sh run `python3 -m wdsdist.tools.jpegcheck` in the
     image: the suite runs it too, so a module that moves fails here, not in a later image check."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "wdsdist.tools.jpegcheck"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_script("-m", "wdsdist.tools.jpegcheck", timeout=120)
     if "no C compiler" in proc.stdout or "headers" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and proc.stdout.startswith("jpegcrop loaded: "), proc.stdout + proc.stderr

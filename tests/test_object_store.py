@@ -9,14 +9,13 @@ machine's own AWS configuration is kept out.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
 
 import pytest
 
-from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
+from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.loading import cfg, keys_and_bad
 from tests.helpers.training import free_port, overrides, ranks
 from wdsdist.data.delivery.pipeline import make_eval_loader
@@ -348,18 +347,7 @@ def test_an_unreachable_endpoint_is_named(store, monkeypatch):
 
 
 def simdist_plan(spec: str, **env: str):
-    base = dict(os.environ, PYTHONPATH=str(ROOT))
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "simdist.py", "--plan", "--shards", spec],
-        cwd=ROOT,
-        env=base | env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_script("simdist.py", "--plan", "--shards", spec, env=env, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -484,13 +472,11 @@ def test_an_oversized_index_in_a_bucket_is_refused(store, monkeypatch):
 
 
 def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
-    import subprocess
-    import sys
-
+    # run_script's process is forked from a Python that imported neither (tests/preloaded.py)
     index = tiny_shards([3])
     code = (
         "import sys; from wdsdist.data.sources import shardspec; from wdsdist.data.tar import tarread; "
         f"shardspec.expand({str(index)!r}); print('boto3' in sys.modules, 'botocore' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = run_script("-c", code, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr

@@ -30,6 +30,15 @@ def take(loader: Loader, count: int | None) -> list[list[int]]:
     return [b["pos"].tolist() for b in itertools.islice(iter(loader), count)]
 
 
+def state_after(loader: Loader, count: int) -> dict:
+    """The loader's state after ``count`` batches. The loader (its persistent workers) ends when
+    this returns: a test frame that held it and an exception (pytest.raises) is a reference cycle,
+    and a DataLoader iterator freed by the garbage collector does not stop its workers, which a
+    later test's collection then waited 10 s for."""
+    take(loader, count)
+    return loader.state_dict()
+
+
 @pytest.fixture(scope="module")
 def index(tmp_path_factory) -> str:
     return str(write_tiny_shards(tmp_path_factory.mktemp("shards"), COUNTS))
@@ -96,9 +105,7 @@ def test_padding_a_mix_delivered_before_an_elastic_resume_leaves_no_position_und
 
 def test_a_state_over_other_shards_is_refused_on_the_same_layout_too(index, tmp_path):
     c = config(workers=1)
-    first = Loader(index, c, rank=0, world=1)
-    take(first, 3)
-    state = first.state_dict()
+    state = state_after(Loader(index, c, rank=0, world=1), 3)
     other = str(write_tiny_shards(tmp_path / "other", [40, 41, 29, 50, 33, 44], "other"))
     loader = Loader(other, c, rank=0, world=1)
     with pytest.raises(UserError) as exc:

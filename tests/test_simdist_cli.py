@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import traceback
 
 import pytest
 
@@ -198,3 +199,8 @@ def test_real_mode_bad_sample_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"s-000003\.tar: sample 'bad-\d'") as err:
         simdist.main(["--shards", str(tmp_path / "s-{000000..000003}.tar"), "--size", "2", "--nworkers", "2"])
     assert "\n" not in str(err.value) and "cannot decode image" in str(err.value)
+    # The worker's error (the UserError's context) holds the rank's DataLoader iterator in a reference
+    # cycle (its traceback's frames). Left to the garbage collector, which closes the iterator's queues
+    # before it runs the iterator's shutdown, the workers never hear they should stop: a later test's
+    # collection waited 10 s for each (bench/results/2026-11-29-suite-time.md). Freed here, they stop.
+    traceback.clear_frames(err.value.__context__.__traceback__)

@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import one_error_line, run_script, write_tiny_shards
 from tests.helpers.training import (
+    RESNET,
+    SMALL_MODEL,
     VAL_COUNTS,
     load,
     overrides,
@@ -175,9 +177,12 @@ def test_epoch_mode_runs_whole_epochs(shards, tmp_path):
     assert ckpt["loader"]["ranks"][0]["point"]["epoch"] == 2 and ckpt["loader"]["ranks"][0]["batches"] == 0
 
 
-def test_two_ranks_under_torchrun_agree_and_count_every_val_sample(shards, tmp_path):
+def test_two_ranks_agree_and_count_every_val_sample(shards, tmp_path):
+    # The ranks forked with the environment torchrun gives them (tests/helpers/training.py): what
+    # they do is the point here; torchrun's own agent runs this job in tests/test_faults_train.py
+    # (a restart, SIGTERM) and tests/test_remote_and_multinode.py (two nodes, with evaluation).
     run = tmp_path / "run"
-    proc = torchrun(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
+    proc = ranks(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world"] == 2
@@ -199,7 +204,7 @@ def test_training_under_nccls_device_map_sends_no_cpu_tensor_through_the_default
     # on the stop flag a step ahead, epoch mode every step; world 2 adds DDP and BatchNorm's
     # broadcast before evaluation.
     run = tmp_path / "run"
-    extra = ["trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.workers=1", f"loader.mode={mode}"]
+    extra = [*RESNET, "trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.workers=1", f"loader.mode={mode}"]
     extra += ["trainer.epochs=1"] if mode == "epoch" else ["trainer.steps=3"]
     proc = ranks(nproc, *overrides(shards, run, *extra), env={"WDSDIST_TEST_BACKEND": "cuda:gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -239,15 +244,15 @@ def test_epochs_of_the_sample_split_end_together_on_every_rank(tmp_path):
     """Uneven shards that whole-shard splitting cannot share equally: split=samples (the default
     in epoch mode) gives both ranks 5 batches per epoch, pads 10 samples, and says so."""
     counts = [13, 29, 7, 21]  # 70 samples; 2 ranks x batch 8: 5 batches each, 80 delivered
-    train_index = write_tiny_shards(tmp_path / "train", counts, "train", size=16)
+    train_index = write_tiny_shards(tmp_path / "train", counts, "train", size=32)
     run = tmp_path / "run"
     args = [
         f"data.train_shards={train_index}",
         "data.val_shards=null",
         "data.synthetic=null",
-        "data.image_size=16",
+        "data.image_size=32",  # SqueezeNet's smallest
         "data.num_classes=10",
-        "model.stem=imagenet",
+        SMALL_MODEL,
         "trainer.workers=2",
         "trainer.batch_size=8",
         "trainer.epochs=3",

@@ -18,6 +18,16 @@ from wdsdist.data.options import LoaderConfig
 BALLAST = 400_000  # lists in the parent: enough that a collection touching them writes many MB
 
 
+@pytest.fixture(autouse=True)
+def unfrozen_collector():
+    """The collector as a process that froze nothing has it: the suite froze what each pytest
+    process had imported (tests/conftest.py); thawed for these tests, frozen again after."""
+    gc.unfreeze()
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 def ballast() -> list[list]:
     """The parent's Python heap for these tests, made only by them (not at the suite's import)."""
     return [[i, str(i)] for i in range(BALLAST)]  # lists: the collector tracks every one

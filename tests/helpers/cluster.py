@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT
-
+# The checkout (tests/conftest.py's ROOT), not imported from there: the store's HTTP server and the
+# delay relay run this module in processes of their own, which need no torch.
+ROOT = Path(__file__).resolve().parents[2]
 SLOTS = 512  # a /24 each: 198.18.0.0/24 .. 198.19.255.0/24, all of 198.18.0.0/15
 LOCKS = Path("/run/wdsdist-cluster")
 RDZV_PORT, HTTP_PORT, DELAY_PORT = 29400, 8080, 8081

@@ -403,7 +403,8 @@ def run_ranks(
     """Every rank's run of a part, one rank after another, each resumed from ``state`` if given."""
     runs = []
     # A full collection walks the whole heap (torch, hypothesis, pytest: ~0.2 s CPU each, over half
-    # of this test's CPU); frozen, what was there before the part is left out of it.
+    # of this test's CPU); frozen, what was there before the part is left out of it. (Under pytest
+    # this thaws what tests/conftest.py froze too; it freezes the heap again as the next module starts.)
     gc.freeze()
     try:
         for rank in range(shape.world):
