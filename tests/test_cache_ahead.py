@@ -25,7 +25,7 @@ from tests.helpers.servers import http_server
 from wdsdist.data import Loader
 from wdsdist.data.delivery import stream
 from wdsdist.data.sources import ahead as ahead_module
-from wdsdist.data.sources import cache
+from wdsdist.data.sources import cache, cachefiles
 from wdsdist.data.sources.access import Access
 from wdsdist.data.sources.ahead import ReadAhead
 
@@ -235,6 +235,34 @@ def test_read_ahead_never_evicts_an_entry_in_use_or_fetched_ahead_and_stays_unde
     counted = summed(batches)
     assert (counted["hits"], counted["ahead"], counted["bypassed"]) == (5, 5, 0)
     assert counted["evicted_bytes"] >= 4 * min(p.stat().st_size for p in index.parent.glob("*.tar"))
+
+
+def test_read_ahead_counts_a_fetch_before_its_entry_shows(tmp_path, store, monkeypatch):
+    """A worker's open finds an entry as soon as it shows, and its last batch carries the counts
+    made until then: read-ahead's count made after the entry showed could come too late for any
+    batch (seen under load: 4 of 5 counted)."""
+    write_tiny_shards(tmp_path / "data", [6] * 4, "s")
+    base, handler = store
+    handler.wait_ahead = True
+    events: list[str] = []
+    count, finish = cache.count, cachefiles.Entry.finish
+
+    def counting(**added):
+        if added.get("ahead"):
+            events.append("counted")
+        count(**added)
+
+    def finishing(self, *args, **kwargs):
+        finish(self, *args, **kwargs)
+        events.append("shown")
+
+    monkeypatch.setattr(cache, "count", counting)
+    monkeypatch.setattr(cachefiles.Entry, "finish", finishing)
+    config = cfg(cache_dir=str(tmp_path / "cache"), cache_ahead=2, split="shards")
+    batches = list(Loader(f"{base}/s.index.json", config, rank=0, world=1))
+    assert summed(batches)["ahead"] == 3
+    # the worker's own fetch shows once; each of read-ahead's is counted, then shows
+    assert events == ["shown"] + ["counted", "shown"] * 3, events
 
 
 def held_bytes(folder: Path) -> int:
