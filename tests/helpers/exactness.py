@@ -382,11 +382,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 n = min(len(straight), len(run.steps))
                 assert run.steps[:n] == straight[:n], f"rank {rank}: the resumed run left the uninterrupted one"
         check_pixels(case, runs, steps_taken, seq.pixels)
-        for rank, run in enumerate(runs):  # what was delivered up to the checkpoint (all, in the last part)
-            layout.since[rank] += run.steps[:stop]
-            for g in run.steps[:stop]:
-                for e, t in zip(g.epochs, g.tags, strict=True):
-                    delivered.setdefault(e, []).append(t)
+        record(layout, runs, stop, delivered)
         if stop is not None:
             steps_taken += stop
             state = every_rank([run.state for run in runs])
@@ -395,6 +391,16 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
         final = range(EPOCHS) if case.mode == "epoch" else range(horizon(case, layout) + 1)
         check_coverage(case, seq, delivered, final)
     return "held"
+
+
+def record(layout: Layout_, runs: list[RankRun], stop: int | None, delivered: dict[int, list[int]]) -> None:
+    """What each rank delivered up to the checkpoint (all of it, in the last part): into the
+    layout's batches since it began, and each epoch's tags."""
+    for rank, run in enumerate(runs):
+        layout.since[rank] += run.steps[:stop]
+        for g in run.steps[:stop]:
+            for e, t in zip(g.epochs, g.tags, strict=True):
+                delivered.setdefault(e, []).append(t)
 
 
 def run_ranks(
