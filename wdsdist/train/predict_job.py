@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from wdsdist.data import LoaderConfig, UserError
-from wdsdist.train import distributed, parts
+from wdsdist.train import distributed, faults, parts
 from wdsdist.train.classify import Penultimate, load_model, model_hash, top_k
 from wdsdist.train.collect import Collector, Unit
 from wdsdist.train.predict_read import Batch, file_stream, file_units, image_files, kind_of, shard_stream, shard_units
@@ -143,7 +143,9 @@ def score_rank(
 ) -> dict:
     """This rank's share of the parts to do, scored and written; its counts."""
     start = time.monotonic()
-    if job.kind == "shards":
+    if not job.todo:  # every part done: nothing to read
+        reads, batches, name = [], iter(()), None
+    elif job.kind == "shards":
         reads, batches = shard_stream(job.sources, job.todo, cfg, dist.rank, dist.world)
         name = lambda u, key: f"{job.units[u].source}#{key}"  # noqa: E731
     else:
@@ -157,6 +159,7 @@ def score_rank(
         if store is not None:
             store.add(DONE_KEY, len(batch.names))
         progress.advance(len(batch.names))
+        faults.kill_for_test(dist.rank, collector.written)
     collector.finish()
     seconds = time.monotonic() - start
     return {"scored": collector.scored, "skipped": collector.skipped, "seconds": seconds, "failed": sorted(

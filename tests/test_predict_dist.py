@@ -1,0 +1,117 @@
+"""predict.py --out-dir over the ranks of a job (forked from the preloaded Python with torchrun's
+environment: tests/preloaded.py): every sample once, in the spec's order, equal to one rank's
+output; a job killed mid-way restarts by part; another model into the same folder is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.conftest import one_error_line, run_script, write_tiny_shards
+from tests.helpers.predicting import jsonl, model_folder
+from tests.helpers.training import free_port
+
+COUNTS = [3, 1, 7, 2, 5, 4, 6, 1, 2, 8, 3, 2, 5, 1, 4, 2, 3]  # 17 shards of uneven sizes: 59 samples
+
+
+def predict(*args: str, ranks: int | None = None, env: dict | None = None):
+    env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    return run_script("predict.py", *args, ranks=ranks, env=env)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("predict")
+    model = model_folder(root / "model")
+    index = write_tiny_shards(root / "shards", COUNTS, size=16)
+    one = root / "one"
+    proc = predict(str(model), str(index), "--out-dir", str(one), "--out", str(root / "one.jsonl"), "--workers", "0")
+    assert proc.returncode == 0, proc.stderr
+    return {"root": root, "model": model, "index": index, "one": jsonl(root / "one.jsonl")}
+
+
+def same_predictions(got: list[dict], want: list[dict]) -> None:
+    """Every key once, in the same order, the same classes, probabilities within 1e-5."""
+    assert [r["image"] for r in got] == [r["image"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert [h["label"] for h in g["top"]] == [h["label"] for h in w["top"]], g["image"]
+        assert all(abs(a["p"] - b["p"]) <= 1e-5 for a, b in zip(g["top"], w["top"], strict=True)), g["image"]
+
+
+def test_one_rank_scores_every_sample_once_in_the_specs_order(data):
+    keys = [r["image"].rsplit("#", 1)[1] for r in data["one"]]
+    assert keys == [f"s{n:07d}" for n in range(sum(COUNTS))]
+    shards = [r["image"].rsplit("#", 1)[0].rsplit("/", 1)[1] for r in data["one"]]
+    assert shards == [f"tiny-{i:06d}.tar" for i, c in enumerate(COUNTS) for _ in range(c)]
+
+
+@pytest.mark.slow
+def test_three_ranks_of_two_workers_give_one_ranks_output_over_17_uneven_shards(data, tmp_path):
+    out = tmp_path / "out"
+    args = (str(data["model"]), str(data["index"]), "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"))
+    proc = predict(*args, "--workers", "2", "--batch-size", "2", ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    same_predictions(jsonl(tmp_path / "all.jsonl"), data["one"])
+    assert "predict: 59 images, 0 skipped" in proc.stderr and "0 of 17 parts reused" in proc.stderr
+    assert sorted(os.listdir(out / "parts")) == sorted(
+        f"tiny-{i:06d}.{x}" for i in range(17) for x in ("json", "jsonl")
+    )
+    assert not list((out / "pieces").iterdir())  # the pieces of shards cut between ranks: joined
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [p["scored"] for p in manifest["parts"].values()] == COUNTS
+
+
+@pytest.mark.slow
+def test_two_shards_for_three_ranks_each_sample_once(data, tmp_path):
+    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")  # 2 + 8 samples
+    out = tmp_path / "out"
+    proc = predict(str(data["model"]), spec, "--out-dir", str(out), "--out", str(tmp_path / "two.jsonl"), ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    want = [r for r in data["one"] if "tiny-000008" in r["image"] or "tiny-000009" in r["image"]]
+    same_predictions(jsonl(tmp_path / "two.jsonl"), want)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_job_restarts_by_part_and_gives_the_same_output(data, tmp_path):
+    out = tmp_path / "out"
+    args = (str(data["model"]), str(data["index"]), "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"))
+    kill = {"WDSDIST_TEST_KILL_RANK": "1", "WDSDIST_TEST_KILL_AFTER": "2"}
+    killed = predict(*args, "--workers", "1", "--batch-size", "1", ranks=3, env=kill)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "all.jsonl").exists()
+    done = {p.stem: json.loads(p.read_text())["scored"] for p in (out / "parts").glob("*.json")}
+    assert 1 <= len(done) < 17
+    again = predict(*args, "--workers", "1", "--batch-size", "1", ranks=3)
+    assert again.returncode == 0, again.stderr
+    assert f"predict: {59 - sum(done.values())} images" in again.stderr
+    assert f"{len(done)} of 17 parts reused" in again.stderr
+    same_predictions(jsonl(tmp_path / "all.jsonl"), data["one"])
+
+
+def test_another_model_into_the_same_folder_is_refused_in_one_line_and_nothing_changes(data, tmp_path):
+    other = model_folder(tmp_path / "other", seed=1)
+    folder = data["root"] / "one"
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    proc = predict(str(other), str(data["index"]), "--out-dir", str(folder))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert str(folder) in line and "another model" in line, line
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+def test_other_options_into_the_same_folder_are_refused_naming_them(data):
+    folder = data["root"] / "one"
+    proc = predict(str(data["model"]), str(data["index"]), "--out-dir", str(folder), "--top-k", "2")
+    assert proc.returncode == 2
+    assert "top_k: 5 there, 2 now" in one_error_line(proc)
+
+
+def test_the_same_command_again_reuses_every_part(data, tmp_path):
+    out = tmp_path / "again.jsonl"
+    proc = predict(str(data["model"]), str(data["index"]), "--out-dir", str(data["root"] / "one"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "predict: 0 images, 0 skipped" in proc.stderr and "17 of 17 parts reused" in proc.stderr
+    same_predictions(jsonl(out), data["one"])
