@@ -4,15 +4,19 @@ output; a job killed mid-way restarts by part; another model into the same folde
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
+import webdataset as wds
 
-from tests.conftest import one_error_line, run_script, write_tiny_shards
+from tests.conftest import jpeg, one_error_line, run_script, write_tiny_shards
 from tests.helpers.predicting import jsonl, model_folder
 from tests.helpers.training import free_port
+from wdsdist.data.sources.index import write_index
 
 COUNTS = [3, 1, 7, 2, 5, 4, 6, 1, 2, 8, 3, 2, 5, 1, 4, 2, 3]  # 17 shards of uneven sizes: 59 samples
 
@@ -115,3 +119,76 @@ def test_the_same_command_again_reuses_every_part(data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "predict: 0 images, 0 skipped" in proc.stderr and "17 of 17 parts reused" in proc.stderr
     same_predictions(jsonl(out), data["one"])
+
+
+def bad_shards(folder: Path) -> Path:
+    """Shards of 4, 5 and 3 samples, the sixth sample's JPEG garbage, and an index that names a
+    fourth shard of 2 that is not there (yet)."""
+    folder.mkdir()
+    shards, n = [], 0
+    for i, count in enumerate([4, 5, 3]):
+        path = folder / f"b-{i:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for _ in range(count):
+                image = b"not an image" if n == 6 else jpeg(n, 16)[0]
+                sink.write({"__key__": f"k{n:04d}", "jpg": image, "cls": "1"})
+                n += 1
+        shards.append((str(path), count))
+    shards.append((str(folder / "b-000003.tar"), 2))
+    index = folder / "b.index.json"
+    write_index(str(index), shards, name="b")
+    return index
+
+
+def test_a_corrupt_sample_is_named_and_counted_and_a_missing_shards_part_waits_for_the_next_run(data, tmp_path):
+    index = bad_shards(tmp_path / "bad")
+    out = tmp_path / "out"
+    args = (str(data["model"]), str(index), "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"))
+    first = predict(*args)
+    assert first.returncode == 1, first.stderr
+    assert "predict: 11 images, 3 skipped" in first.stderr  # the garbage JPEG, the 2 of the missing shard
+    assert "1 parts not done (their shards could not be read: " + str(index.parent / "b-000003.tar") in first.stderr
+    assert "k0006" in first.stderr and not (tmp_path / "all.jsonl").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["parts"]) == ["b-000000", "b-000001", "b-000002"]
+    assert manifest["parts"]["b-000001"]["skipped"] == [f"{index.parent / 'b-000001.tar'} sample 2"]
+    with wds.TarWriter(str(index.parent / "b-000003.tar")) as sink:  # the shard comes back
+        for n in (12, 13):
+            sink.write({"__key__": f"k{n:04d}", "jpg": jpeg(n, 16)[0], "cls": "1"})
+    again = predict(*args)
+    assert again.returncode == 0, again.stderr
+    assert "predict: 2 images, 0 skipped" in again.stderr and "3 of 4 parts reused" in again.stderr
+    keys = [r["image"].rsplit("#", 1)[1] for r in jsonl(tmp_path / "all.jsonl")]
+    assert keys == [f"k{n:04d}" for n in range(14) if n != 6]
+
+
+def test_strict_stops_at_a_missing_shard_naming_it(data, tmp_path):
+    index = bad_shards(tmp_path / "bad")
+    proc = predict(str(data["model"]), str(index), "--out-dir", str(tmp_path / "out"), "--strict", "--workers", "1")
+    assert proc.returncode == 2
+    assert "b-000003.tar: cannot read shard" in one_error_line(proc)
+
+
+def test_a_folder_is_listed_once_cut_into_parts_and_shared_by_the_ranks(data, tmp_path):
+    for c in "ab":
+        (tmp_path / "images" / c).mkdir(parents=True)
+        for i in range(7):
+            (tmp_path / "images" / c / f"{i:02d}.jpg").write_bytes(jpeg(i + 10 * (c == "b"), 16)[0])
+    bad = tmp_path / "images" / "a" / "03.jpg"
+    bad.write_bytes(b"not an image")
+    runs = {}
+    for ranks in (None, 2):
+        out = tmp_path / f"out-{ranks}"
+        proc = predict(
+            str(data["model"]), str(tmp_path / "images"), "--out-dir", str(out), "--out", str(out) + ".csv",
+            "--part-size", "4", "--workers", "1", ranks=ranks,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "predict: 13 images, 1 skipped" in proc.stderr and "0 of 4 parts reused" in proc.stderr
+        assert sorted(p.name for p in (out / "parts").glob("*.json")) == [f"images-{i:06d}.json" for i in range(4)]
+        assert json.loads((out / "parts" / "images-000000.json").read_text())["skipped"] == [str(bad)]
+        runs[ranks] = list(csv.reader((Path(f"{out}.csv")).open()))
+    assert [row[0] for row in runs[None][1:]] == sorted(
+        str(p) for p in (tmp_path / "images").rglob("*.jpg") if p != bad
+    )
+    assert runs[2] == runs[None]

@@ -15,6 +15,7 @@ store (distributed.store), so its rate and ETA are the job's.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wdsdist.data import LoaderConfig, UserError
+from wdsdist.data import DataError, LoaderConfig, UserError
 from wdsdist.train import distributed, faults, parts
 from wdsdist.train.classify import Penultimate, load_model, model_hash, top_k
 from wdsdist.train.collect import Collector, Unit
@@ -87,10 +88,10 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
     kind = kind_of(args.inputs)
     if kind == "shards":
         units, sources = shard_units(args.inputs, cfg)
-    else:
-        sources = sorted(image_files(args.inputs))
-        units = file_units(sources, args.part_size)
     manifest = parts.open_manifest(args.out_dir, ident, "predict.py --out-dir")
+    if kind == "files":
+        sources = listing(args.out_dir, args.inputs)
+        units = file_units(sources, args.part_size)
     os.makedirs(os.path.join(args.out_dir, "parts"), exist_ok=True)
     parts.save_manifest(args.out_dir, manifest)
     done = settle_parts(args.out_dir, units, args.features, manifest)
@@ -99,6 +100,21 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
         parts.remove_pieces(args.out_dir, name, spans)
     todo = [i for i in range(len(units)) if i not in done]
     return Job(kind, units, todo, len(done), list(sources))
+
+
+def listing(out_dir: str, inputs: list[str]) -> list[str]:
+    """The folders' images, listed once and sorted: DIR/listing.json, which a restart reads, so
+    images added since then do not move the parts' bounds."""
+    path = os.path.join(out_dir, "listing.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    files = sorted(image_files(inputs))
+    if not files:
+        raise UserError(f"predict.py: no image files in {', '.join(inputs)}")
+    os.makedirs(out_dir, exist_ok=True)
+    parts.write_whole(path, json.dumps(files).encode())
+    return files
 
 
 def settle_parts(out_dir: str, units: list[Unit], features: bool, manifest: dict) -> set[int]:
@@ -154,12 +170,17 @@ def score_rank(
     collector = Collector(args.out_dir, job.units, reads, args.features, lambda u, o: skipped_name(job, u, o))
     store = distributed.store()
     by_url = {u.source: i for i, u in enumerate(job.units)}
-    for batch in batches:
-        file_batch(batch, collector, scorer, name, by_url)
-        if store is not None:
-            store.add(DONE_KEY, len(batch.names))
-        progress.advance(len(batch.names))
-        faults.kill_for_test(dist.rank, collector.written)
+    try:
+        for batch in batches:
+            file_batch(batch, collector, scorer, name, by_url)
+            if store is not None:
+                store.add(DONE_KEY, len(batch.names))
+            progress.advance(len(batch.names))
+            faults.kill_for_test(dist.rank, collector.written)
+    except DataError as exc:  # --strict: a shard that cannot be read stops the job, named
+        # From a DataLoader worker the message carries the worker's traceback: its last line.
+        last = [line for line in str(exc).splitlines() if line.strip()][-1]
+        raise UserError(f"{last.split('DataError: ', 1)[-1]} (--strict)") from None
     collector.finish()
     seconds = time.monotonic() - start
     return {"scored": collector.scored, "skipped": collector.skipped, "seconds": seconds, "failed": sorted(

@@ -82,7 +82,8 @@ def shard_stream(
     batch = max(1, min(cfg.batch_size, total // (world * max(workers, 1)) or 1))
     if total < world * max(workers, 1):  # every worker needs a batch: fewer of them
         workers = 0
-    cfg = replace(cfg, batch_size=batch, workers=workers, mode="epoch", split="samples", remainder="pad")
+    # partial: a worker whose span lost samples (corrupt, or a shard unread) keeps its short last batch
+    cfg = replace(cfg, batch_size=batch, workers=workers, mode="epoch", split="samples", remainder="pad", partial=True)
     loader = Loader(mine, cfg, rank=rank, world=world)
     reads = [[(a, b, todo[s], first) for a, b, s, first in runs] for runs in loader.reads()]
     return reads, _shard_batches(loader, mine, total)
