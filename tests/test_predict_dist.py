@@ -192,3 +192,43 @@ def test_a_folder_is_listed_once_cut_into_parts_and_shared_by_the_ranks(data, tm
         str(p) for p in (tmp_path / "images").rglob("*.jpg") if p != bad
     )
     assert runs[2] == runs[None]
+
+
+@pytest.mark.slow
+def test_features_are_one_float16_array_per_part_equal_to_the_models_penultimate_output(data, tmp_path):
+    import numpy as np
+    import torch
+
+    from wdsdist.data import LoaderConfig, decode_eval
+    from wdsdist.train.classify import Penultimate, load_model
+
+    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")  # 2 + 8 samples, cut between the ranks
+    out = tmp_path / "out"
+    proc = predict(str(data["model"]), spec, "--out-dir", str(out), "--features", "--batch-size", "3", ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    model, config = load_model(str(data["model"]))
+    hook = Penultimate(model)
+    cfg = LoaderConfig(batch_size=1, image_size=16, eval_resize=config["resize"], train=False)
+    for shard in ("tiny-000008", "tiny-000009"):
+        got = np.load(out / "parts" / f"{shard}.npy")
+        samples = list(wds.WebDataset(str(data["index"].parent / f"{shard}.tar"), shardshuffle=False))
+        with torch.no_grad():
+            model(torch.stack([decode_eval(s["jpg"], cfg) for s in samples]).float())
+        want = hook.features.numpy()
+        assert got.dtype == np.float16 and got.shape == want.shape == (len(samples), 512)
+        assert np.abs(got.astype(np.float32) - want).max() <= 1e-2
+        keys = [r["image"].rsplit("#", 1)[1] for r in jsonl(out / "parts" / f"{shard}.jsonl")]
+        assert keys == [s["__key__"] for s in samples]  # the features' rows in the part's order
+
+
+def test_a_torchvision_name_loads_its_pretrained_weights_or_stops_in_one_line_naming_the_file(tmp_path):
+    offline = {
+        "TORCH_HOME": str(tmp_path / "torch"),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
+    proc = predict("resnet18", str(tmp_path), "--out-dir", str(tmp_path / "out"), "--features", env=offline)
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert line.startswith("error: resnet18: its pretrained weights cannot be loaded") and "resnet18-" in line, line
+    assert not (tmp_path / "out").exists()

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torchvision
 
 from wdsdist.data import UserError
-from wdsdist.train import export
+from wdsdist.train import export, weights
 from wdsdist.train.config import Stem
-from wdsdist.train.model import make_model
+from wdsdist.train.model import TIMM, make_model, timm_model
 
 
 class Classifier(nn.Module):
@@ -31,8 +32,15 @@ class Classifier(nn.Module):
 
 
 def load_model(path: str) -> tuple[Classifier, dict[str, Any]]:
-    """A run directory, an export folder or a checkpoint file, as a Classifier and its config."""
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")):
+    """A run directory, an export folder or a checkpoint file, as a Classifier and its config; or
+    a torchvision model's name (``resnet50``) or timm's (``timm/convnext_tiny``) that names no
+    file, with its pretrained weights and their own classes and preprocessing."""
+    if not os.path.exists(path) and (path.startswith(TIMM) or path in torchvision.models.list_models()):
+        try:
+            model, config = pretrained_model(path)
+        except UserError as exc:
+            raise UserError(f"{path}: its pretrained weights cannot be loaded: {exc}") from None
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")):
         model, config = export.load(path)
     else:
         ckpt_path = os.path.join(path, "latest.pt") if os.path.isdir(path) else path
@@ -40,6 +48,40 @@ def load_model(path: str) -> tuple[Classifier, dict[str, Any]]:
             raise UserError(f"{path}: no model.safetensors, config.json or latest.pt there")
         model, config = from_checkpoint(ckpt_path)
     return Classifier(model, config["mean"], config["std"]).eval(), config
+
+
+def pretrained_model(name: str) -> tuple[nn.Module, dict[str, Any]]:
+    """torchvision's or timm's model ``name`` with its pretrained weights (torchvision's from
+    torch's cache; offline without them, one line names the file)."""
+    if name.startswith(TIMM):
+        model = timm_model(name[len(TIMM) :], num_classes=1000, pretrained=True)
+        pre = model.pretrained_cfg
+        size = pre["input_size"][-1]
+        classes = imagenet_names(len(model.get_classifier().weight)) if hasattr(model, "get_classifier") else None
+        config = {"mean": list(pre["mean"]), "std": list(pre["std"]), "image_size": size}
+        config |= {"resize": round(size / pre.get("crop_pct", export.EVAL_RATIO)), "classes": classes}
+    else:
+        found = weights.find("DEFAULT", name)
+        model = torchvision.models.get_model(name, weights=None)
+        model.load_state_dict(weights.state_dict(found))
+        pre = found.torchvision.transforms()
+        config = {"mean": found.mean, "std": found.std, "image_size": found.image_size}
+        config |= {"resize": pre.resize_size[0], "classes": found.torchvision.meta["categories"]}
+    if not config["classes"]:
+        out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+        config["classes"] = [str(i) for i in range(out)]
+    return model.eval(), config | {"num_classes": len(config["classes"]), "architecture": name, "weights": "pretrained"}
+
+
+def imagenet_names(n: int) -> list[str] | None:
+    """ImageNet's class names (timm's own list) where the head has its 1000 classes."""
+    try:
+        from timm.data import ImageNetInfo
+
+        names = ImageNetInfo().label_descriptions()
+    except (ImportError, OSError):
+        return None
+    return list(names) if len(names) == n else None
 
 
 def from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:

@@ -137,7 +137,8 @@ def join_pieces(out_dir: str, name: str, count: int, spans: list[tuple[int, int]
         "scored": sum(m["scored"] for m in metas),
         "skipped": [s for m in metas for s in m["skipped"]],
     }
-    feats = np.concatenate(arrays) if features else None
+    filled = [a for a in arrays if len(a)]  # a piece whose samples were all skipped: 0 x 0
+    feats = (np.concatenate(filled) if filled else np.zeros((0, 0), np.float16)) if features else None
     write_piece(out_dir, name, (0, count), count, lines, feats, meta)
     remove_pieces(out_dir, name, spans)
     return True
