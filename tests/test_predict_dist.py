@@ -5,6 +5,7 @@ output; a job killed mid-way restarts by part; another model into the same folde
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import signal
@@ -232,3 +233,40 @@ def test_a_torchvision_name_loads_its_pretrained_weights_or_stops_in_one_line_na
     line = one_error_line(proc)
     assert line.startswith("error: resnet18: its pretrained weights cannot be loaded") and "resnet18-" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_trainers_loader_reads(data, tmp_path):
+    import numpy as np
+
+    from wdsdist.data import Loader, LoaderConfig
+
+    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")
+    out, shards = tmp_path / "out", tmp_path / "shards"
+    args = (str(data["model"]), spec, "--out-dir", str(out), "--features", "--write-shards", str(shards))
+    proc = predict(*args, ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((shards / "predicted.index.json").read_text())
+    assert [(s["url"], s["nsamples"]) for s in index["shardlist"]] == [("tiny-000008.tar", 2), ("tiny-000009.tar", 8)]
+    samples = {
+        s["__key__"]: s
+        for name in ("tiny-000008", "tiny-000009")
+        for s in wds.WebDataset(str(shards / f"{name}.tar"), shardshuffle=False)
+    }
+    parts = {
+        r["image"].rsplit("#", 1)[1]: r["top"]
+        for name in ("tiny-000008", "tiny-000009")
+        for r in jsonl(out / "parts" / f"{name}.jsonl")
+    }
+    assert {k: json.loads(s["pred.json"])["top"] for k, s in samples.items()} == parts
+    feats = np.concatenate([np.load(out / "parts" / f"{name}.npy") for name in ("tiny-000008", "tiny-000009")])
+    assert np.array_equal(np.stack([np.load(io.BytesIO(s["emb.npy"])) for s in samples.values()]), feats)
+    cfg = LoaderConfig(batch_size=2, image_size=16, mode="epoch", workers=0, with_keys=True, num_classes=10)
+    read = [
+        (k, int(label))
+        for b in Loader(str(shards / "predicted.index.json"), cfg)
+        for k, label in zip(b["key"], b["label"], strict=True)
+    ]
+    assert sorted(read) == sorted((k, int(s["cls"])) for k, s in samples.items())
+    again = predict(*args, "--write-shards", str(data["index"].parent))  # over the input shards: refused
+    assert "it would write over the input shard" in one_error_line(again)

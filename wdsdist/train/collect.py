@@ -46,7 +46,7 @@ class Pending:
 
 class Collector:
     """Files each sample's line (and features) into its unit (``locate``, then ``put``); writes each
-    piece once settled.
+    piece once settled, and calls ``on_part(unit)`` when that piece is the whole part.
     ``sample_name(unit, offset)``: how the manifest names a sample that was skipped."""
 
     def __init__(
@@ -56,9 +56,10 @@ class Collector:
         reads: Sequence[Sequence[Run]],
         features: bool,
         sample_name: Callable[[int, int], str],
+        on_part: Callable[[int], None] = lambda unit: None,
     ):
         self.out_dir, self.units, self.reads, self.with_features = out_dir, units, reads, features
-        self.sample_name = sample_name
+        self.sample_name, self.on_part = sample_name, on_part
         self.at = [0] * len(reads)  # per worker: its first run not yet settled
         self.pending: dict[int, Pending] = {}
         for runs in reads:
@@ -119,3 +120,5 @@ class Collector:
         lines = [line for _, line in p.rows]
         parts.write_piece(self.out_dir, unit.name, (p.first, p.stop), unit.count, lines, feats, meta)
         self.written += 1
+        if (p.first, p.stop) == (0, unit.count):  # the whole part: what comes after it (--write-shards)
+            self.on_part(index)

@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--features", action="store_true", help="also each sample's penultimate features (.npy)")
     job.add_argument("--part-size", type=integer(1), default=1000, help="folders: images per part")
     job.add_argument("--strict", action="store_true", help="a missing or truncated shard stops the job")
+    job.add_argument("--write-shards", help="each input shard again here, pred.json (and emb.npy) beside each sample")
     job.add_argument("--cache-dir", help="a node cache for remote shards (loader.cache_dir)")
     return p.parse_args(argv)
 

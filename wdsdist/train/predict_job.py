@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from wdsdist.data import DataError, LoaderConfig, UserError
-from wdsdist.train import distributed, faults, parts
+from wdsdist.train import distributed, faults, parts, reshard
 from wdsdist.train.classify import Penultimate, load_model, model_hash, top_k
 from wdsdist.train.collect import Collector, Unit
 from wdsdist.train.predict_read import Batch, file_stream, file_units, image_files, kind_of, shard_stream, shard_units
@@ -92,6 +92,8 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
     if kind == "files":
         sources = listing(args.out_dir, args.inputs)
         units = file_units(sources, args.part_size)
+    if args.write_shards:
+        check_shards_folder(args.write_shards, kind, units)
     os.makedirs(os.path.join(args.out_dir, "parts"), exist_ok=True)
     parts.save_manifest(args.out_dir, manifest)
     done = settle_parts(args.out_dir, units, args.features, manifest)
@@ -100,6 +102,18 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
         parts.remove_pieces(args.out_dir, name, spans)
     todo = [i for i in range(len(units)) if i not in done]
     return Job(kind, units, todo, len(done), list(sources))
+
+
+def check_shards_folder(folder: str, kind: str, units: list[Unit]) -> None:
+    """--write-shards takes shard specs, into a folder that holds none of them (it would write
+    over an input shard)."""
+    if kind != "shards":
+        raise UserError("--write-shards: the inputs must be shards (a folder's images are scored, not written again)")
+    clash = next(
+        (u.source for u in units if os.path.abspath(reshard.shard_path(folder, u)) == os.path.abspath(u.source)), None
+    )
+    if clash is not None:
+        raise UserError(f"--write-shards {folder}: it would write over the input shard {clash}: use another folder")
 
 
 def listing(out_dir: str, inputs: list[str]) -> list[str]:
@@ -167,7 +181,9 @@ def score_rank(
     else:
         reads, batches = file_stream(job.sources, job.units, job.todo, cfg, dist.rank, dist.world)
         name = lambda u, key: key  # noqa: E731
-    collector = Collector(args.out_dir, job.units, reads, args.features, lambda u, o: skipped_name(job, u, o))
+    collector = Collector(
+        args.out_dir, job.units, reads, args.features, lambda u, o: skipped_name(job, u, o), on_part(args, job, cfg)
+    )
     store = distributed.store()
     by_url = {u.source: i for i, u in enumerate(job.units)}
     try:
@@ -185,6 +201,26 @@ def score_rank(
     seconds = time.monotonic() - start
     return {"scored": collector.scored, "skipped": collector.skipped, "seconds": seconds, "failed": sorted(
         job.units[i].source for i in collector.failed)}  # fmt: skip
+
+
+def on_part(args: argparse.Namespace, job: Job, cfg: LoaderConfig) -> Any:
+    """What follows a part written whole on this rank: with --write-shards, its shard again."""
+    if not args.write_shards or job.kind != "shards":
+        return lambda unit: None
+    parts_dir = os.path.join(args.out_dir, "parts")
+    return lambda unit: reshard.write_shard(args.write_shards, parts_dir, job.units[unit], cfg, args.features)
+
+
+def write_missing_shards(args: argparse.Namespace, job: Job, cfg: LoaderConfig, done: set[int]) -> str | None:
+    """Rank 0 at the end: the shards of done parts that no rank wrote (parts joined from pieces,
+    or left by a killed job), then DIR2's index once every part is done."""
+    write = on_part(args, job, cfg)
+    for i in sorted(done):
+        if not os.path.isfile(reshard.shard_path(args.write_shards, job.units[i])):
+            write(i)
+    if len(done) < len(job.units):
+        return None
+    return reshard.write_shards_index(args.write_shards, job.units)
 
 
 def file_batch(batch: Batch, collector: Collector, scorer: Scorer, name: Any, by_url: dict[str, int]) -> None:
@@ -246,13 +282,14 @@ class Progress:
             self.bar.close()
 
 
-def finish(args: argparse.Namespace, job: Job, stats: list[dict]) -> tuple[str, int]:
+def finish(args: argparse.Namespace, job: Job, cfg: LoaderConfig, stats: list[dict]) -> tuple[str, int]:
     """Rank 0, once every rank is done: pieces joined, the manifest's parts, --out; the summary
     line and the exit status (1 where a part's shard could not be read)."""
     manifest = parts.open_manifest(args.out_dir, {}, "predict.py --out-dir")
     done = settle_parts(args.out_dir, job.units, args.features, manifest)
     parts.save_manifest(args.out_dir, manifest)
     missing = [u.source for i, u in enumerate(job.units) if i not in done]
+    index = write_missing_shards(args, job, cfg, done) if args.write_shards and job.kind == "shards" else None
     rows = None
     if args.out and not missing:
         rows = parts.join(args.out_dir, [u.name for u in job.units], args.out)
@@ -265,6 +302,8 @@ def finish(args: argparse.Namespace, job: Job, stats: list[dict]) -> tuple[str, 
     )
     if rows is not None:
         line += f"; {rows} rows joined into {args.out}"
+    if index is not None:
+        line += f"; shards with predictions: {index}"
     if missing:
         line += f"; {len(missing)} parts not done (their shards could not be read: {missing[0]} first): run again"
     return line, 1 if missing else 0
@@ -294,6 +333,6 @@ def run_job(args: argparse.Namespace) -> tuple[str, int]:
         scorer = Scorer(model, config, dist.device, args.top_k, args.features)
         with Progress(dist, sum(job.units[i].count for i in job.todo)) as progress:
             stats = distributed.all_gather_object(score_rank(args, job, cfg, scorer, dist, progress))
-        return finish(args, job, stats) if dist.is_main else ("", 0)
+        return finish(args, job, cfg, stats) if dist.is_main else ("", 0)
     finally:
         distributed.cleanup()
