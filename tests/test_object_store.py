@@ -480,3 +480,30 @@ def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
     )
     out = run_script("-c", code, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_predict_scores_an_s3_index_once_on_two_ranks_through_the_node_cache(store, tmp_path):
+    from tests.helpers.predicting import jsonl, model_folder
+
+    model, out, shards = model_folder(tmp_path / "model"), tmp_path / "out", tmp_path / "shards"
+    del store["app"].log[:]
+    env = {
+        "AWS_ENDPOINT_URL": store["endpoint"],
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = (str(model), VAL_INDEX, "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"), "--workers", "1")
+    proc = run_script(
+        "predict.py", *args, "--cache-dir", str(tmp_path / "cache"), "--write-shards", str(shards), env=env, ranks=2
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [r["image"] for r in jsonl(tmp_path / "all.jsonl")]
+    assert names == [
+        f"s3://{BUCKET}/val/val-{i:06d}.tar#s{n:07d}"
+        for i, c in enumerate(VAL_COUNTS)
+        for n in range(sum(VAL_COUNTS[:i]), sum(VAL_COUNTS[: i + 1]))
+    ]
+    gets = sorted(path for _, path in store["app"].gets())
+    assert gets == [f"/{BUCKET}/val/val-{i:06d}.tar" for i in range(len(VAL_COUNTS))]  # each once: then the cache
+    assert [s["nsamples"] for s in json.loads((shards / "predicted.index.json").read_text())["shardlist"]] == VAL_COUNTS

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wdsdist.data import DataError, LoaderConfig, UserError
+from wdsdist.data import DataError, LoaderConfig, UserError, pin_spec
 from wdsdist.train import distributed, faults, parts, reshard
 from wdsdist.train.classify import Penultimate, load_model, model_hash, top_k
 from wdsdist.train.collect import Collector, Unit
@@ -86,9 +86,12 @@ def identity(args: argparse.Namespace, model_id: str, config: dict, cuda: bool) 
 def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
     """Rank 0: the units, the manifest made or checked, leftover pieces joined, what is still to do."""
     kind = kind_of(args.inputs)
-    if kind == "shards":
-        units, sources = shard_units(args.inputs, cfg)
     manifest = parts.open_manifest(args.out_dir, ident, "predict.py --out-dir")
+    if kind == "shards":
+        # hf:// at the commit its revision names now, kept in the manifest: a restart reads the
+        # same bytes, whatever the branch did since
+        manifest.setdefault("pinned", [pin_spec(item, cfg.access) for item in args.inputs])
+        units, sources = shard_units(manifest["pinned"], cfg)
     if kind == "files":
         sources = listing(args.out_dir, args.inputs)
         units = file_units(sources, args.part_size)
