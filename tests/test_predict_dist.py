@@ -270,3 +270,22 @@ def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_tra
     assert sorted(read) == sorted((k, int(s["cls"])) for k, s in samples.items())
     again = predict(*args, "--write-shards", str(data["index"].parent))  # over the input shards: refused
     assert "it would write over the input shard" in one_error_line(again)
+
+
+def test_a_parquet_output_without_pyarrow_is_refused_naming_the_extra(data, tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        proc = predict(
+            str(data["model"]),
+            str(data["index"]),
+            "--out-dir",
+            str(tmp_path / "o"),
+            "--out",
+            str(tmp_path / "p.parquet"),
+        )
+        assert proc.returncode == 2
+        assert "pip install 'wds-distributed[parquet]'" in one_error_line(proc)
+        assert not (tmp_path / "o").exists()
+    else:
+        pytest.skip("pyarrow is installed here: parquet is written")
