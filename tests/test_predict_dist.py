@@ -77,6 +77,11 @@ def test_two_shards_for_three_ranks_each_sample_once(data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     want = [r for r in data["one"] if "tiny-000008" in r["image"] or "tiny-000009" in r["image"]]
     same_predictions(jsonl(tmp_path / "two.jsonl"), want)
+    (out / "parts" / "tiny-000008.json").unlink()  # that part undone: 2 samples left for 3 ranks
+    again = predict(str(data["model"]), spec, "--out-dir", str(out), "--out", str(tmp_path / "two.jsonl"), ranks=3)
+    assert again.returncode == 0, again.stderr
+    assert "predict: 2 images" in again.stderr and "1 of 2 parts reused" in again.stderr
+    same_predictions(jsonl(tmp_path / "two.jsonl"), want)
 
 
 @pytest.mark.slow

@@ -189,9 +189,11 @@ def score_rank(
     )
     store = distributed.store()
     by_url = {u.source: i for i, u in enumerate(job.units)}
+    first: tuple[float, int] | None = None  # when the first batch was scored, and its images
     try:
         for batch in batches:
             file_batch(batch, collector, scorer, name, by_url)
+            first = first or (time.monotonic(), len(batch.names))
             if store is not None:
                 store.add(DONE_KEY, len(batch.names))
             progress.advance(len(batch.names))
@@ -201,9 +203,10 @@ def score_rank(
         last = [line for line in str(exc).splitlines() if line.strip()][-1]
         raise UserError(f"{last.split('DataError: ', 1)[-1]} (--strict)") from None
     collector.finish()
-    seconds = time.monotonic() - start
-    return {"scored": collector.scored, "skipped": collector.skipped, "seconds": seconds, "failed": sorted(
-        job.units[i].source for i in collector.failed)}  # fmt: skip
+    end = time.monotonic()
+    # after the first batch: the rate of the workers and the model running, without their start
+    steady = (collector.scored - first[1], end - first[0]) if first else (0, 0.0)
+    return {"scored": collector.scored, "skipped": collector.skipped, "seconds": end - start, "steady": steady}
 
 
 def on_part(args: argparse.Namespace, job: Job, cfg: LoaderConfig) -> Any:
@@ -290,6 +293,8 @@ def finish(args: argparse.Namespace, job: Job, cfg: LoaderConfig, stats: list[di
     line and the exit status (1 where a part's shard could not be read)."""
     manifest = parts.open_manifest(args.out_dir, {}, "predict.py --out-dir")
     done = settle_parts(args.out_dir, job.units, args.features, manifest)
+    steady = sum(s["steady"][0] for s in stats), max(s["steady"][1] for s in stats)
+    manifest["timing"] = {"images": steady[0], "seconds": round(steady[1], 3), "after": "each rank's first batch"}
     parts.save_manifest(args.out_dir, manifest)
     missing = [u.source for i, u in enumerate(job.units) if i not in done]
     index = write_missing_shards(args, job, cfg, done) if args.write_shards and job.kind == "shards" else None

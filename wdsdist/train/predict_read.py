@@ -78,10 +78,13 @@ def shard_stream(
     split (loader.split=samples): each sample on one rank, the padding dropped here."""
     mine = [shards[i] for i in todo]
     total = sum(int(s.nsamples or 0) for s in mine)
-    workers = int(cfg.workers)
-    batch = max(1, min(cfg.batch_size, total // (world * max(workers, 1)) or 1))
-    if total < world * max(workers, 1):  # every worker needs a batch: fewer of them
-        workers = 0
+    # Fewer samples left than ranks (a restart's last small part): the first ``total`` ranks
+    # read one each, the others nothing; every worker needs a batch, so fewer of them as well.
+    world = min(world, max(total, 1))
+    if rank >= world:
+        return [], iter(())
+    workers = min(int(cfg.workers), total // world)
+    batch = max(1, min(cfg.batch_size, total // (world * max(workers, 1))))
     # partial: a worker whose span lost samples (corrupt, or a shard unread) keeps its short last batch
     cfg = replace(cfg, batch_size=batch, workers=workers, mode="epoch", split="samples", remainder="pad", partial=True)
     loader = Loader(mine, cfg, rank=rank, world=world)
