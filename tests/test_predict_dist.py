@@ -294,3 +294,13 @@ def test_a_parquet_output_without_pyarrow_is_refused_naming_the_extra(data, tmp_
         assert not (tmp_path / "o").exists()
     else:
         pytest.skip("pyarrow is installed here: parquet is written")
+
+
+def test_part_names_from_shard_urls_stay_inside_the_parts_folder():
+    from wdsdist.train.parts import part_names
+
+    hostile = ["s3://b/../../etc/passwd.tar", "http://h/a/..", "/x/.hidden.tar", "hf://datasets/o/n@sha/x y?.tar"]
+    names = part_names(hostile)
+    assert names == ["passwd", "shard", "hidden", "x_y"]
+    assert all("/" not in n and not n.startswith(".") and n not in ("", "..") for n in names)
+    assert part_names(["s3://a/x/000.tar", "s3://a/y/000.tar"]) == ["000000-000", "000001-000"]  # never one part twice
