@@ -98,13 +98,25 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
     if args.write_shards:
         check_shards_folder(args.write_shards, kind, units)
     os.makedirs(os.path.join(args.out_dir, "parts"), exist_ok=True)
-    parts.save_manifest(args.out_dir, manifest)
+    empty_now = write_empty_parts(args.out_dir, units, args.features)
     done = settle_parts(args.out_dir, units, args.features, manifest)
     parts.save_manifest(args.out_dir, manifest)
     for name, spans in parts.pieces_of(args.out_dir).items():  # a layout's leftovers: redone whole
         parts.remove_pieces(args.out_dir, name, spans)
     todo = [i for i in range(len(units)) if i not in done]
-    return Job(kind, units, todo, len(done), list(sources))
+    return Job(kind, units, todo, len(done - empty_now), list(sources))
+
+
+def write_empty_parts(out_dir: str, units: list[Unit], features: bool) -> set[int]:
+    """The parts of shards that hold no sample, written now (no rank reads them); which."""
+    written = set()
+    for i, unit in enumerate(units):
+        if unit.count == 0 and parts.part_meta(out_dir, unit.name) is None:
+            empty = np.zeros((0, 0), np.float16) if features else None
+            meta = {"source": unit.source, "scored": 0, "skipped": []}
+            parts.write_piece(out_dir, unit.name, (0, 0), 0, [], empty, meta)
+            written.add(i)
+    return written
 
 
 def check_shards_folder(folder: str, kind: str, units: list[Unit]) -> None:
@@ -253,7 +265,7 @@ class Progress:
     thread, so it moves while rank 0 waits for the others."""
 
     def __init__(self, dist: distributed.Dist, total: int):
-        self.bar, self.own, self.stop = None, 0, threading.Event()
+        self.bar, self.stop = None, threading.Event()
         self.thread = None
         if dist.is_main and sys.stderr.isatty():
             from tqdm import tqdm
@@ -331,7 +343,7 @@ def run_job(args: argparse.Namespace) -> tuple[str, int]:
             try:
                 ident = identity(args, model_hash(model, config), config, dist.device.type == "cuda")
                 job = plan(args, cfg, ident)
-            except UserError as exc:
+            except (UserError, DataError) as exc:  # refused, or a shard that cannot be counted
                 job = str(exc)
         job = distributed.broadcast_object(job if dist.is_main else None)
         if isinstance(job, str):

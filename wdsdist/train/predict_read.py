@@ -80,7 +80,7 @@ def shard_stream(
     total = sum(int(s.nsamples or 0) for s in mine)
     # Fewer samples left than ranks (a restart's last small part): the first ``total`` ranks
     # read one each, the others nothing; every worker needs a batch, so fewer of them as well.
-    world = min(world, max(total, 1))
+    world = min(world, total)
     if rank >= world:
         return [], iter(())
     workers = min(int(cfg.workers), total // world)
