@@ -226,7 +226,14 @@ def on_part(args: argparse.Namespace, job: Job, cfg: LoaderConfig) -> Any:
     if not args.write_shards or job.kind != "shards":
         return lambda unit: None
     parts_dir = os.path.join(args.out_dir, "parts")
-    return lambda unit: reshard.write_shard(args.write_shards, parts_dir, job.units[unit], cfg, args.features)
+
+    def write(unit: int) -> None:
+        try:
+            reshard.write_shard(args.write_shards, parts_dir, job.units[unit], cfg, args.features)
+        except DataError as exc:  # its part is done; the shard is tried again at the end, and by the next run
+            log.warning("--write-shards: %s; that shard is left for later", str(exc).splitlines()[-1])
+
+    return write
 
 
 def write_missing_shards(args: argparse.Namespace, job: Job, cfg: LoaderConfig, done: set[int]) -> str | None:
@@ -236,9 +243,8 @@ def write_missing_shards(args: argparse.Namespace, job: Job, cfg: LoaderConfig, 
     for i in sorted(done):
         if not os.path.isfile(reshard.shard_path(args.write_shards, job.units[i])):
             write(i)
-    if len(done) < len(job.units):
-        return None
-    return reshard.write_shards_index(args.write_shards, job.units)
+    written = all(os.path.isfile(reshard.shard_path(args.write_shards, u)) for u in job.units)
+    return reshard.write_shards_index(args.write_shards, job.units) if written else None
 
 
 def file_batch(batch: Batch, collector: Collector, scorer: Scorer, name: Any, by_url: dict[str, int]) -> None:
