@@ -203,18 +203,27 @@ def test_a_folder_is_listed_once_cut_into_parts_and_shared_by_the_ranks(data, tm
     assert runs[2] == runs[None]
 
 
+@pytest.fixture(scope="module")
+def featured(data, tmp_path_factory):
+    """Two ranks over 2 + 8 samples (cut between them) with --features and --write-shards."""
+    root = tmp_path_factory.mktemp("featured")
+    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")
+    out, shards = root / "out", root / "shards"
+    args = (str(data["model"]), spec, "--out-dir", str(out), "--features", "--write-shards", str(shards))
+    proc = predict(*args, "--batch-size", "3", ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    return {"out": out, "shards": shards, "args": args}
+
+
 @pytest.mark.slow
-def test_features_are_one_float16_array_per_part_equal_to_the_models_penultimate_output(data, tmp_path):
+def test_features_are_one_float16_array_per_part_equal_to_the_models_penultimate_output(data, featured):
     import numpy as np
     import torch
 
     from wdsdist.data import LoaderConfig, decode_eval
     from wdsdist.train.classify import Penultimate, load_model
 
-    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")  # 2 + 8 samples, cut between the ranks
-    out = tmp_path / "out"
-    proc = predict(str(data["model"]), spec, "--out-dir", str(out), "--features", "--batch-size", "3", ranks=2)
-    assert proc.returncode == 0, proc.stderr
+    out = featured["out"]
     model, config = load_model(str(data["model"]))
     hook = Penultimate(model)
     cfg = LoaderConfig(batch_size=1, image_size=16, eval_resize=config["resize"], train=False)
@@ -244,16 +253,12 @@ def test_a_torchvision_name_loads_its_pretrained_weights_or_stops_in_one_line_na
 
 
 @pytest.mark.slow
-def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_trainers_loader_reads(data, tmp_path):
+def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_trainers_loader_reads(data, featured):
     import numpy as np
 
     from wdsdist.data import Loader, LoaderConfig
 
-    spec = str(data["index"].parent / "tiny-{000008..000009}.tar")
-    out, shards = tmp_path / "out", tmp_path / "shards"
-    args = (str(data["model"]), spec, "--out-dir", str(out), "--features", "--write-shards", str(shards))
-    proc = predict(*args, ranks=2)
-    assert proc.returncode == 0, proc.stderr
+    out, shards, args = featured["out"], featured["shards"], featured["args"]
     index = json.loads((shards / "predicted.index.json").read_text())
     assert [(s["url"], s["nsamples"]) for s in index["shardlist"]] == [("tiny-000008.tar", 2), ("tiny-000009.tar", 8)]
     samples = {
