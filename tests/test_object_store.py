@@ -483,27 +483,18 @@ def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
 
 
 def test_predict_scores_an_s3_index_once_on_two_ranks_through_the_node_cache(store, tmp_path):
+    """predict.py --out-dir: every key once, in order; each object fetched once (then the node
+    cache), though --write-shards reads every shard again."""
     from tests.helpers.predicting import jsonl, model_folder
 
-    model, out, shards = model_folder(tmp_path / "model"), tmp_path / "out", tmp_path / "shards"
     del store["app"].log[:]
-    env = {
-        "AWS_ENDPOINT_URL": store["endpoint"],
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    args = (str(model), VAL_INDEX, "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"), "--workers", "1")
-    proc = run_script(
-        "predict.py", *args, "--cache-dir", str(tmp_path / "cache"), "--write-shards", str(shards), env=env, ranks=2
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    names = [r["image"] for r in jsonl(tmp_path / "all.jsonl")]
-    assert names == [
-        f"s3://{BUCKET}/val/val-{i:06d}.tar#s{n:07d}"
-        for i, c in enumerate(VAL_COUNTS)
-        for n in range(sum(VAL_COUNTS[:i]), sum(VAL_COUNTS[: i + 1]))
-    ]
-    gets = sorted(path for _, path in store["app"].gets())
-    assert gets == [f"/{BUCKET}/val/val-{i:06d}.tar" for i in range(len(VAL_COUNTS))]  # each once: then the cache
-    assert [s["nsamples"] for s in json.loads((shards / "predicted.index.json").read_text())["shardlist"]] == VAL_COUNTS
+    env = {"AWS_ENDPOINT_URL": store["endpoint"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    model, out, t = str(model_folder(tmp_path / "model")), str(tmp_path / "out"), str(tmp_path)
+    args = (model, VAL_INDEX, "--out-dir", out, "--workers", "1", "--out", f"{t}/all.jsonl", "--write-shards", t)
+    assert run_script("predict.py", *args, "--cache-dir", f"{t}/cache", env=env, ranks=2).returncode == 0
+    rows = [r["image"].rsplit("/", 1)[1] for r in jsonl(tmp_path / "all.jsonl")]
+    want = [f"val-{i:06d}.tar#s{sum(VAL_COUNTS[:i]) + n:07d}" for i, c in enumerate(VAL_COUNTS) for n in range(c)]
+    gets = sorted(p for _, p in store["app"].gets())
+    assert rows == want and gets == [f"/{BUCKET}/val/val-{i:06d}.tar" for i in range(3)]
+    index = json.loads((tmp_path / "predicted.index.json").read_text())
+    assert [s["nsamples"] for s in index["shardlist"]] == VAL_COUNTS
