@@ -306,28 +306,22 @@ def test_a_resume_keeps_its_pin_when_the_hub_cannot_be_asked(hub, monkeypatch, c
 
 
 def test_predict_scores_a_hub_spec_once_on_two_ranks_through_the_node_cache_at_one_commit(hub, tmp_path):
+    """predict.py --out-dir over hf://: every key once, in order, at the commit pinned in the
+    manifest; each shard sent once to the node (the cache), though --write-shards reads it again."""
     from tests.helpers.predicting import jsonl, model_folder
 
     model, out, shards = model_folder(tmp_path / "model"), tmp_path / "out", tmp_path / "shards"
     args = (str(model), SPEC, "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"), "--workers", "1")
-    env = hub_env(hub, tmp_path, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = run_script(
-        "predict.py", *args, "--cache-dir", str(tmp_path / "cache"), "--write-shards", str(shards), env=env, ranks=2
-    )
+    args += ("--cache-dir", str(tmp_path / "cache"), "--write-shards", str(shards))
+    env = hub_env(hub, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = run_script("predict.py", *args, env=env, ranks=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    commit = hub.commits[REPO]
-    names = [r["image"] for r in jsonl(tmp_path / "all.jsonl")]
-    assert names == [
-        f"hf://datasets/{REPO}@{commit}/train-{i:06d}.tar#s{n:07d}"
-        for i, c in enumerate(TRAIN)
-        for n in range(sum(TRAIN[:i]), sum(TRAIN[: i + 1]))
+    pinned = f"hf://datasets/{REPO}@{hub.commits[REPO]}"
+    want = [f"{pinned}/train-{i:06d}.tar#s{sum(TRAIN[:i]) + n:07d}" for i, c in enumerate(TRAIN) for n in range(c)]
+    assert [r["image"] for r in jsonl(tmp_path / "all.jsonl")] == want
+    made = sorted((tmp_path / "made" / "train").glob("*.tar"))
+    assert tar_counts(hub.cdn_bytes) == {f"{REPO}/{p.name}": p.stat().st_size for p in made}
+    assert json.loads((out / "manifest.json").read_text())["pinned"] == [
+        SPEC.replace(REPO, f"{REPO}@{hub.commits[REPO]}")
     ]
-    sizes = {
-        f"{REPO}/train-{i:06d}.tar": (tmp_path / "made" / "train" / f"train-{i:06d}.tar").stat().st_size
-        for i in range(4)
-    }
-    assert (
-        tar_counts(hub.cdn_bytes) == sizes
-    )  # each shard sent once to the node: scored and written again from the cache
-    assert json.loads((out / "manifest.json").read_text())["pinned"] == [SPEC.replace(REPO, f"{REPO}@{commit}")]
     assert [s["nsamples"] for s in json.loads((shards / "predicted.index.json").read_text())["shardlist"]] == TRAIN
