@@ -5,6 +5,7 @@ shards, with the class names, as a table, CSV or JSON lines; or the model export
     predict.py outputs/RUN a.jpg b.png --format jsonl --top-k 3
     predict.py outputs/RUN/latest.pt 'data/val-{000000..000003}.tar' --format csv
     predict.py outputs/RUN --export onnx                 # RUN/model.onnx, checked against torch
+    torchrun --nproc_per_node=8 predict.py outputs/RUN 'SPEC' --out-dir DIR   # a whole data set (predict_job.py)
 
 The model: a run directory or a folder with model.safetensors and config.json (what every run
 writes when it ends), else its latest checkpoint; or a checkpoint file. Preprocessing is the
