@@ -97,8 +97,10 @@ def test_a_rank_killed_mid_job_restarts_by_part_and_gives_the_same_output(data, 
     assert not (tmp_path / "all.jsonl").exists()
     done = {p.stem: json.loads(p.read_text())["scored"] for p in (out / "parts").glob("*.json")}
     assert 1 <= len(done) < 17
+    (out / "parts" / "tiny-000016.jsonl.tmp99").write_text("half a part")  # as a kill mid-write leaves
     again = predict(*args, "--workers", "1", "--batch-size", "1", ranks=3)
     assert again.returncode == 0, again.stderr
+    assert not list(out.rglob("*.tmp*"))
     assert f"predict: {59 - sum(done.values())} images" in again.stderr
     assert f"{len(done)} of 17 parts reused" in again.stderr
     same_predictions(jsonl(tmp_path / "all.jsonl"), data["one"])

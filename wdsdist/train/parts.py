@@ -31,6 +31,7 @@ from wdsdist.errors import UserError
 MANIFEST = "manifest.json"
 VERSION = 1
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_TEMPORARY = re.compile(r"\.tmp\d+$")  # write_whole's
 _PIECE = re.compile(r"^(?P<name>.+)\.(?P<first>\d+)-(?P<stop>\d+)\.json$")
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 
@@ -58,6 +59,18 @@ def write_whole(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def remove_temporaries(out_dir: str) -> int:
+    """The temporary files a killed job left in parts/ and pieces/ (never renamed, so never
+    read); how many. Only at a job's start, when no rank writes."""
+    removed = 0
+    for folder in (os.path.join(out_dir, "parts"), os.path.join(out_dir, "pieces")):
+        for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+            if _TEMPORARY.search(entry):
+                os.remove(os.path.join(folder, entry))
+                removed += 1
+    return removed
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -98,6 +98,7 @@ def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
     if args.write_shards:
         check_shards_folder(args.write_shards, kind, units)
     os.makedirs(os.path.join(args.out_dir, "parts"), exist_ok=True)
+    parts.remove_temporaries(args.out_dir)
     empty_now = write_empty_parts(args.out_dir, units, args.features)
     done = settle_parts(args.out_dir, units, args.features, manifest)
     parts.save_manifest(args.out_dir, manifest)
