@@ -89,10 +89,11 @@ def shard_stream(
     cfg = replace(cfg, batch_size=batch, workers=workers, mode="epoch", split="samples", remainder="pad", partial=True)
     loader = Loader(mine, cfg, rank=rank, world=world)
     reads = [[(a, b, todo[s], first) for a, b, s, first in runs] for runs in loader.reads()]
-    return reads, _shard_batches(loader, mine, total)
+    return reads, _shard_batches(loader, total)
 
 
-def _shard_batches(loader: Loader, shards: Sequence[Shard], total: int) -> Iterator[Batch]:
+def _shard_batches(loader: Loader, total: int) -> Iterator[Batch]:
+    """The loader's batches less its padding (positions past ``total``), before any is scored."""
     for b in loader:
         keep = [i for i, p in enumerate(b["pos"].tolist()) if p < total]
         if not keep:
