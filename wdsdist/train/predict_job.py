@@ -336,6 +336,18 @@ def finish(args: argparse.Namespace, job: Job, cfg: LoaderConfig, stats: list[di
     return line, 1 if missing else 0
 
 
+def unshared(out_dir: str) -> str | None:
+    """Where a rank does not see the manifest rank 0 wrote (a folder not shared between nodes,
+    whose parts rank 0 could not join), why in one line; None where every rank sees it."""
+    seen = distributed.all_gather_object(os.path.isfile(os.path.join(out_dir, parts.MANIFEST)))
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    return (
+        f"--out-dir {out_dir}: rank {blind[0]} does not see rank 0's files there: use a shared folder"
+        if blind
+        else None
+    )
+
+
 def run_job(args: argparse.Namespace) -> tuple[str, int]:
     """The whole job on this rank: rank 0's summary line and exit status. A refusal on rank 0 (another model
     in the folder, a spec that names nothing) is one line there, and the other ranks exit with it."""
@@ -356,6 +368,13 @@ def run_job(args: argparse.Namespace) -> tuple[str, int]:
         if isinstance(job, str):
             if dist.is_main:
                 raise UserError(job)
+            return "", 2
+        blind = unshared(args.out_dir)
+        if blind:
+            if dist.is_main:
+                raise UserError(
+                    f"--out-dir {args.out_dir}: rank {blind[0]} does not see rank 0's files there: use a shared folder"
+                )
             return "", 2
         scorer = Scorer(model, config, dist.device, args.top_k, args.features)
         with Progress(dist, sum(job.units[i].count for i in job.todo)) as progress:
