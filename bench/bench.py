@@ -327,9 +327,6 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
             print(f", (e) / ours {cpu['ours-work'] / cpu['ours']:.2f} in CPU time per sample", end="")
         print()
     print("ours x: ours' samples/s over that row's, the median over rounds of each round's ratio")
-    said = predicting.ratio_line(rate)
-    if said:
-        print(said)
 
 
 def write_json(
@@ -400,6 +397,9 @@ def main() -> int:
     results = {ds: median_rounds(rounds[ds]) for ds in datasets}
     for ds in datasets:
         print_table(results[ds], args, infos[ds])
+        said = predicting.ratio_line(rounds[ds])
+        if said:
+            print(said)
     write_json(args, infos, results, rounds, extra)
     return 0
 

@@ -120,13 +120,23 @@ def model_alone(info: dict, batch: int, limit_seconds: float) -> dict:
     return {"samples_per_s": n / (time.perf_counter() - start), "images": n}
 
 
-def ratio_line(rates: dict[str, float]) -> str | None:
-    """predict / the slower of the loader alone and the model alone, in words."""
-    if not {"predict", "predict-loader", "predict-model"} <= set(rates):
+def ratio_line(rounds: dict[str, list[dict]]) -> str | None:
+    """predict / the slower of the loader alone and the model alone, round by round (a shared
+    machine's load moves between rounds, not within one), in words: the median and the range."""
+    names = ("predict", "predict-loader", "predict-model")
+    if not all(rounds.get(n) for n in names):
         return None
-    bound = min(rates["predict-loader"], rates["predict-model"])
-    which = "loader" if rates["predict-loader"] <= rates["predict-model"] else "model"
+    ratios, bounds = [], []
+    for p, lo, mo in zip(*(rounds[n] for n in names), strict=False):
+        if all("samples_per_s" in r for r in (p, lo, mo)):
+            bound = min(lo["samples_per_s"], mo["samples_per_s"])
+            ratios.append(p["samples_per_s"] / bound)
+            bounds.append("loader" if lo["samples_per_s"] <= mo["samples_per_s"] else "model")
+    if not ratios:
+        return None
+    order, slower = sorted(ratios), max(set(bounds), key=bounds.count)
+    median = order[(len(order) - 1) // 2]
     return (
-        f"prediction: predict.py {rates['predict']:.1f} images/s = {rates['predict'] / bound:.2f} x the slower of the "
-        f"loader alone ({rates['predict-loader']:.1f}) and the model alone ({rates['predict-model']:.1f}): the {which}"
+        f"prediction: predict.py / the slower of its loader alone and its model alone (the {slower}), round by "
+        f"round: median {median:.2f}, range {order[0]:.2f}-{order[-1]:.2f} ({len(ratios)} rounds)"
     )
