@@ -92,13 +92,13 @@ def test_a_rank_killed_mid_job_restarts_by_part_and_gives_the_same_output(data, 
     out = tmp_path / "out"
     args = (str(data["model"]), str(data["index"]), "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"))
     kill = {"WDSDIST_TEST_KILL_RANK": "1", "WDSDIST_TEST_KILL_AFTER": "2"}
-    killed = predict(*args, "--workers", "1", "--batch-size", "1", ranks=3, env=kill)
+    killed = predict(*args, "--workers", "0", "--batch-size", "1", ranks=3, env=kill)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (tmp_path / "all.jsonl").exists()
     done = {p.stem: json.loads(p.read_text())["scored"] for p in (out / "parts").glob("*.json")}
     assert 1 <= len(done) < 17
     (out / "parts" / "tiny-000016.jsonl.tmp99").write_text("half a part")  # as a kill mid-write leaves
-    again = predict(*args, "--workers", "1", "--batch-size", "1", ranks=3)
+    again = predict(*args, "--workers", "0", "--batch-size", "1", ranks=3)
     assert again.returncode == 0, again.stderr
     assert not list(out.rglob("*.tmp*"))
     assert f"predict: {59 - sum(done.values())} images" in again.stderr
@@ -154,7 +154,16 @@ def bad_shards(folder: Path) -> Path:
 def test_a_corrupt_sample_is_named_and_counted_and_a_missing_shards_part_waits_for_the_next_run(data, tmp_path):
     index = bad_shards(tmp_path / "bad")
     out = tmp_path / "out"
-    args = (str(data["model"]), str(index), "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"))
+    args = (
+        str(data["model"]),
+        str(index),
+        "--out-dir",
+        str(out),
+        "--out",
+        str(tmp_path / "all.jsonl"),
+        "--workers",
+        "0",
+    )
     first = predict(*args)
     assert first.returncode == 1, first.stderr
     assert "predict: 11 images, 3 skipped" in first.stderr  # the garbage JPEG, the 2 of the missing shard
@@ -212,7 +221,7 @@ def featured(data, tmp_path_factory):
     spec = str(data["index"].parent / "tiny-{000008..000009}.tar")
     out, shards = root / "out", root / "shards"
     args = (str(data["model"]), spec, "--out-dir", str(out), "--features", "--write-shards", str(shards))
-    proc = predict(*args, "--batch-size", "3", ranks=2)
+    proc = predict(*args, "--batch-size", "3", "--workers", "0", ranks=2)
     assert proc.returncode == 0, proc.stderr
     return {"out": out, "shards": shards, "args": args}
 
