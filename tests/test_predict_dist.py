@@ -323,3 +323,11 @@ def test_part_names_from_shard_urls_stay_inside_the_parts_folder():
     assert names == ["passwd", "shard", "hidden", "x_y"]
     assert all("/" not in n and not n.startswith(".") and n not in ("", "..") for n in names)
     assert part_names(["s3://a/x/000.tar", "s3://a/y/000.tar"]) == ["000000-000", "000001-000"]  # never one part twice
+
+
+def test_decode_gpu_without_a_gpu_is_refused_in_one_line_before_any_file(data, tmp_path):
+    proc = predict(
+        str(data["model"]), str(data["index"]), "--out-dir", str(tmp_path / "o"), "--decode", "gpu", "--device", "cpu"
+    )
+    assert proc.returncode == 2
+    assert "--decode gpu" in one_error_line(proc) and not (tmp_path / "o").exists()

@@ -353,6 +353,8 @@ def run_job(args: argparse.Namespace) -> tuple[str, int]:
     in the folder, a spec that names nothing) is one line there, and the other ranks exit with it."""
     dist = distributed.init("auto" if args.device == "auto" else args.device.split(":")[0])
     try:
+        if args.decode == "gpu" and dist.device.type != "cuda":  # before any file is written
+            raise UserError(f"--decode gpu: this rank runs on {dist.device}, with no CUDA GPU to decode on")
         model, config = load_model(args.model)
         cfg = loader_config(args, config, dist)
         if args.out:
