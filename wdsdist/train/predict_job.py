@@ -35,7 +35,11 @@ from wdsdist.train.predict_read import Batch, file_stream, file_units, image_fil
 
 log = logging.getLogger(__name__)
 
-DONE_KEY = "wdsdist/predict/images"
+
+def done_key() -> str:
+    """The job's store key that counts its images: one per start under torchrun --max-restarts,
+    whose agent's store outlives the workers (a restarted job counts from 0)."""
+    return f"wdsdist/predict/images/{distributed.restart_count()}"
 
 
 @dataclass
@@ -208,7 +212,7 @@ def score_rank(
             file_batch(batch, collector, scorer, name, by_url)
             first = first or (time.monotonic(), len(batch.names))
             if store is not None:
-                store.add(DONE_KEY, len(batch.names))
+                store.add(done_key(), len(batch.names))
             progress.advance(len(batch.names))
             faults.kill_for_test(dist.rank, collector.written)
     except DataError as exc:  # --strict: a shard that cannot be read stops the job, named
@@ -290,7 +294,7 @@ class Progress:
     def _watch(self, store: Any) -> None:
         while not self.stop.wait(0.5):
             try:
-                self.bar.n = int(store.add(DONE_KEY, 0))  # type: ignore[union-attr]
+                self.bar.n = int(store.add(done_key(), 0))  # type: ignore[union-attr]
                 self.bar.refresh()  # type: ignore[union-attr]
             except RuntimeError:
                 return
