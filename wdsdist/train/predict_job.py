@@ -292,11 +292,14 @@ class Progress:
         return self
 
     def _watch(self, store: Any) -> None:
-        while not self.stop.wait(0.5):
+        while True:
+            stopped = self.stop.wait(0.5)  # once more after the stop: the bar ends at the job's count
             try:
                 self.bar.n = int(store.add(done_key(), 0))  # type: ignore[union-attr]
                 self.bar.refresh()  # type: ignore[union-attr]
             except RuntimeError:
+                return
+            if stopped:
                 return
 
     def advance(self, n: int) -> None:
