@@ -331,3 +331,27 @@ def test_decode_gpu_without_a_gpu_is_refused_in_one_line_before_any_file(data, t
     )
     assert proc.returncode == 2
     assert "--decode gpu" in one_error_line(proc) and not (tmp_path / "o").exists()
+
+
+def test_the_progress_bar_on_rank_0_counts_every_ranks_images_from_the_store(monkeypatch):
+    import io
+    import sys
+
+    import torch
+
+    from wdsdist.train import distributed, predict_job
+
+    class Store:  # every rank's images so far, as the job's store counts them
+        def add(self, key, n):
+            assert key == "wdsdist/predict/images/0"
+            return 42
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    monkeypatch.setattr(distributed, "watch_store", lambda timeout: Store())
+    with predict_job.Progress(distributed.Dist(0, 3, 0, torch.device("cpu")), total=59) as progress:
+        progress.advance(5)  # rank 0's own: the store's count is the bar's, not this
+    assert "42/59" in sys.stderr.getvalue().replace("\r", "\n").splitlines()[-1]
