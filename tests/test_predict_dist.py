@@ -264,7 +264,7 @@ def test_a_torchvision_name_loads_its_pretrained_weights_or_stops_in_one_line_na
 
 
 @pytest.mark.slow
-def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_trainers_loader_reads(data, featured):
+def test_write_shards_writes_each_shard_again_with_its_predictions_which_train_py_reads(data, featured, tmp_path):
     import numpy as np
 
     from wdsdist.data import Loader, LoaderConfig
@@ -292,6 +292,15 @@ def test_write_shards_writes_each_shard_again_with_its_predictions_which_the_tra
         for k, label in zip(b["key"], b["label"], strict=True)
     ]
     assert sorted(read) == sorted((k, int(s["cls"])) for k, s in samples.items())
+    run = tmp_path / "run"  # and train.py trains on them as on any shards
+    trained = run_script(
+        "train.py", f"data.train_shards={shards / 'predicted.index.json'}", "data.val_shards=null",
+        "data.synthetic=null", "data.image_size=32", "data.num_classes=10", "model.name=squeezenet1_1",
+        "trainer.batch_size=4", "trainer.workers=0", "trainer.steps=2", "trainer.ckpt_every=0", f"run_dir={run}",
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    assert json.loads((run / "summary.json").read_text())["rank_steps"] == [2]
     again = predict(*args, "--write-shards", str(data["index"].parent))  # over the input shards: refused
     assert "it would write over the input shard" in one_error_line(again)
 
