@@ -57,7 +57,7 @@ def pretrained_model(name: str) -> tuple[nn.Module, dict[str, Any]]:
         model = timm_model(name[len(TIMM) :], num_classes=1000, pretrained=True)
         pre = model.pretrained_cfg
         size = pre["input_size"][-1]
-        classes = imagenet_names(len(model.get_classifier().weight)) if hasattr(model, "get_classifier") else None
+        classes = imagenet_names(getattr(model, "num_classes", 0))
         config = {"mean": list(pre["mean"]), "std": list(pre["std"]), "image_size": size}
         config |= {"resize": round(size / pre.get("crop_pct", export.EVAL_RATIO)), "classes": classes}
     else:
