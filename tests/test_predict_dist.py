@@ -364,3 +364,27 @@ def test_the_progress_bar_on_rank_0_counts_every_ranks_images_from_the_store(mon
     with predict_job.Progress(distributed.Dist(0, 3, 0, torch.device("cpu")), total=59) as progress:
         progress.advance(5)  # rank 0's own: the store's count is the bar's, not this
     assert "42/59" in sys.stderr.getvalue().replace("\r", "\n").splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "timm/resnet18"])
+def test_a_model_name_brings_its_classes_preprocessing_and_penultimate_features(name, monkeypatch):
+    """A torchvision or timm name as the model (weights faked here: none are fetched in tests)."""
+    import torch
+    import torchvision
+
+    from wdsdist.train import classify, weights
+
+    def timm_model(model: str, num_classes: int, pretrained: bool):
+        import timm
+
+        return timm.create_model(model, num_classes=num_classes)
+
+    monkeypatch.setattr(weights, "state_dict", lambda found: torchvision.models.get_model("resnet18").state_dict())
+    monkeypatch.setattr(classify, "timm_model", timm_model)
+    model, config = classify.load_model(name)
+    assert config["num_classes"] == len(config["classes"]) == 1000 and config["classes"][0].startswith("tench")
+    assert (config["image_size"], config["resize"]) == ((224, 236) if name.startswith("timm/") else (224, 256))
+    hook = classify.Penultimate(model)
+    with torch.no_grad():
+        model(torch.rand(2, 3, 32, 32) * 255)
+    assert hook.features.shape == (2, 512)
