@@ -5,6 +5,7 @@ predict.py outputs/RUN ~/photos/new/                  # top 5 with class names, 
 predict.py outputs/RUN a.jpg b.png --format jsonl --top-k 3
 predict.py outputs/RUN 'data/val-{000000..000003}.tar' --format csv --out predictions.csv
 predict.py outputs/RUN --export onnx                  # RUN/model.onnx, checked against torch
+torchrun --nproc_per_node=8 predict.py outputs/RUN 'SPEC' --out-dir DIR --out all.jsonl   # a whole data set
 """
 
 from wdsdist.train.predict import run

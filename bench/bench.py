@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Loader throughput, side by side: ours, the WebDataset README's pipeline, torchvision
-ImageFolder, the decode limit and, with --peers, the other streaming loaders (MosaicML
+ImageFolder, the decode limit, predict.py's rate beside its loader and its model alone
+(bench/predicting.py) and, with --peers, the other streaming loaders (MosaicML
 Streaming, LitData, DALI on the CPU, FFCV, wids). Run with ``./run bench.py`` (see --help).
 
 The limit (d) is torchvision's whole decode + RandomResizedCrop + flip in a loop, no loader:
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import peervenv  # noqa: E402  (bench/, beside this file)
+import predicting  # noqa: E402
 from contenders import PEERS, run_one  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from memory import evict_libraries  # noqa: E402
@@ -59,6 +61,9 @@ CONTENDERS = (
     "side-by-side",
     "ours-work",
     "ours-work-together",
+    "predict",
+    "predict-loader",
+    "predict-model",
 )
 # With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
 WITH_PEERS = ("ours", "limit", "ours-work", "ours-work-together", *PEERS)
@@ -75,6 +80,9 @@ LABELS = {
     "side-by-side": "(d') W such loops at once, summed",
     "ours-work": "(e) W x single-core region decode+crop+flip",
     "ours-work-together": "(e') W such region loops at once, summed",
+    "predict": "(p) predict.py --out-dir, ResNet-18 at 224, CPU",
+    "predict-loader": "(p') its loader alone (evaluation crops)",
+    "predict-model": "(p'') its model alone (random batches)",
     "streaming": "(f) MosaicML Streaming: MDS + StreamingDataset",
     "litdata": "(g) LitData: optimize + StreamingDataLoader",
     "dali": "(h) DALI, CPU: readers.webdataset + decoders",
@@ -389,6 +397,9 @@ def main() -> int:
     results = {ds: median_rounds(rounds[ds]) for ds in datasets}
     for ds in datasets:
         print_table(results[ds], args, infos[ds])
+        said = predicting.ratio_line(rounds[ds])
+        if said:
+            print(said)
     write_json(args, infos, results, rounds, extra)
     return 0
 

@@ -162,6 +162,10 @@ def loops_together(info: dict, workers: int, limit_seconds: float, region: bool)
 
 
 def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
+    if name.startswith("predict"):
+        import predicting
+
+        return predicting.run(name, info, workers, batch, limit_seconds)
     if name in ("limit", "ours-work"):
         r = limit_rate(info, limit_seconds, region=name == "ours-work")
         return {

@@ -21,7 +21,7 @@ from tests.conftest import ROOT, one_error_line, run_script, write_tiny_shards
 from tests.helpers.hub import Hub
 from tests.helpers.loading import cfg
 from tests.helpers.trace import delivery, kept
-from tests.helpers.training import overrides, ranks
+from tests.helpers.training import free_port, overrides, ranks
 from wdsdist.data import Loader
 from wdsdist.data.sources import opener, shardspec
 from wdsdist.data.sources.access import Access
@@ -303,3 +303,25 @@ def test_a_resume_keeps_its_pin_when_the_hub_cannot_be_asked(hub, monkeypatch, c
     with pytest.raises(UserError, match=f"^data.train_shards: {SPEC}: {hub.endpoint} did not answer") as err:
         pins._pin_one("data.train_shards", SPEC, None, config)
     assert "\n" not in str(err.value)
+
+
+def test_predict_scores_a_hub_spec_once_on_two_ranks_through_the_node_cache_at_one_commit(hub, tmp_path):
+    """predict.py --out-dir over hf://: every key once, in order, at the commit pinned in the
+    manifest; each shard sent once to the node (the cache), though --write-shards reads it again."""
+    from tests.helpers.predicting import jsonl, model_folder
+
+    model, out, shards = model_folder(tmp_path / "model"), tmp_path / "out", tmp_path / "shards"
+    args = (str(model), SPEC, "--out-dir", str(out), "--out", str(tmp_path / "all.jsonl"), "--workers", "1")
+    args += ("--cache-dir", str(tmp_path / "cache"), "--write-shards", str(shards))
+    env = hub_env(hub, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = run_script("predict.py", *args, env=env, ranks=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pinned = f"hf://datasets/{REPO}@{hub.commits[REPO]}"
+    want = [f"{pinned}/train-{i:06d}.tar#s{sum(TRAIN[:i]) + n:07d}" for i, c in enumerate(TRAIN) for n in range(c)]
+    assert [r["image"] for r in jsonl(tmp_path / "all.jsonl")] == want
+    made = sorted((tmp_path / "made" / "train").glob("*.tar"))
+    assert tar_counts(hub.cdn_bytes) == {f"{REPO}/{p.name}": p.stat().st_size for p in made}
+    assert json.loads((out / "manifest.json").read_text())["pinned"] == [
+        SPEC.replace(REPO, f"{REPO}@{hub.commits[REPO]}")
+    ]
+    assert [s["nsamples"] for s in json.loads((shards / "predicted.index.json").read_text())["shardlist"]] == TRAIN

@@ -126,6 +126,7 @@ EXTRAS = {
     "lightning": {"pytorch-lightning"},
     "onnx": {"onnx", "onnxruntime"},
     "timm": {"timm"},
+    "parquet": {"pyarrow"},
     "gpu": {"nvidia-nvimgcodec-cu13", "nvidia-nvjpeg"},
 }
 

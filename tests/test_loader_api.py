@@ -145,3 +145,29 @@ def test_the_eval_loader_gives_every_sample_exactly_once_over_the_ranks(index):
     cfg = config(with_keys=True, workers=1)
     keys = [k for rank in (0, 1, 2) for b in EvalLoader(index, cfg, rank=rank, world=3) for k in b["key"]]
     assert sorted(keys) == [f"s{n:07d}" for n in range(N)]
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_reads_names_the_shard_and_sample_of_every_position_each_worker_delivers(index, seed):
+    """Loader.reads(): each worker's runs of positions with the shard and sample they read, in
+    reading order, the padding left out (what predict.py files each result by): every delivered
+    position lies in its worker's runs, and the key there is that shard's sample."""
+    keys = [[f"s{sum(COUNTS[:i]) + j:07d}" for j in range(c)] for i, c in enumerate(COUNTS)]
+    covered = []
+    for rank in (0, 1, 2):
+        loader = Loader(
+            index,
+            config(mode="epoch", split="samples", with_keys=True, shuffle_buffer=0, seed=seed),
+            rank=rank,
+            world=3,
+        )
+        reads = loader.reads()
+        assert len(reads) == 1
+        covered += [(shard, first + k) for a, b, shard, first in reads[0] for k in range(b - a)]
+        for batch in loader:
+            for pos, key in zip(batch["pos"].tolist(), batch["key"], strict=True):
+                if pos >= N:
+                    continue  # the padding: a sample of another position again
+                [(a, shard, first)] = [(a, s, f) for a, b, s, f in reads[0] if a <= pos < b]
+                assert keys[shard][first + pos - a] == key
+    assert sorted(covered) == [(i, j) for i, c in enumerate(COUNTS) for j in range(c)]  # each sample once

@@ -480,3 +480,21 @@ def test_boto3_is_imported_only_for_object_store_urls(tiny_shards):
     )
     out = run_script("-c", code, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_predict_scores_an_s3_index_once_on_two_ranks_through_the_node_cache(store, tmp_path):
+    """predict.py --out-dir: every key once, in order; each object fetched once (then the node
+    cache), though --write-shards reads every shard again."""
+    from tests.helpers.predicting import jsonl, model_folder
+
+    del store["app"].log[:]
+    env = {"AWS_ENDPOINT_URL": store["endpoint"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    model, out, t = str(model_folder(tmp_path / "model")), str(tmp_path / "out"), str(tmp_path)
+    args = (model, VAL_INDEX, "--out-dir", out, "--workers", "1", "--out", f"{t}/all.jsonl", "--write-shards", t)
+    assert run_script("predict.py", *args, "--cache-dir", f"{t}/cache", env=env, ranks=2).returncode == 0
+    rows = [r["image"].rsplit("/", 1)[1] for r in jsonl(tmp_path / "all.jsonl")]
+    want = [f"val-{i:06d}.tar#s{sum(VAL_COUNTS[:i]) + n:07d}" for i, c in enumerate(VAL_COUNTS) for n in range(c)]
+    gets = sorted(p for _, p in store["app"].gets())
+    assert rows == want and gets == [f"/{BUCKET}/val/val-{i:06d}.tar" for i in range(3)]
+    index = json.loads((tmp_path / "predicted.index.json").read_text())
+    assert [s["nsamples"] for s in index["shardlist"]] == VAL_COUNTS

@@ -37,6 +37,8 @@ _EXPORTS = {
     "index_classes": ("wdsdist.data.delivery.pipeline", "index_classes"),
     "option_problems": ("wdsdist.data.rules", "option_problems"),
     "pin_spec": ("wdsdist.data.sources.resolve", "pin_spec"),
+    "shard_samples": ("wdsdist.data.delivery.raw", "shard_samples"),
+    "write_index": ("wdsdist.data.sources.index", "write_index"),
 }
 __all__ = [
     "CACHE_COUNTS",
@@ -61,15 +63,19 @@ __all__ = [
     "index_classes",
     "option_problems",
     "pin_spec",
+    "shard_samples",
+    "write_index",
 ]
 
 if TYPE_CHECKING:
     from wdsdist.data.delivery.pipeline import decode_eval, expand_shards, index_classes
+    from wdsdist.data.delivery.raw import shard_samples
     from wdsdist.data.loader import EvalLoader, Loader, ShardSpec, Transform, dist_layout
     from wdsdist.data.options import LoaderConfig, SampleOptions, Source, StreamOptions
     from wdsdist.data.plan.splits import Plan
     from wdsdist.data.rules import LoaderMode, Remainder, Split, option_problems
     from wdsdist.data.sources.cache import CACHE_COUNTS
+    from wdsdist.data.sources.index import write_index
     from wdsdist.data.sources.resolve import pin_spec
     from wdsdist.data.sources.shard import Shard
     from wdsdist.errors import DataError, UserError

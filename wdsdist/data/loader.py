@@ -31,7 +31,8 @@ from wdsdist.data.delivery.pipeline import (
 )
 from wdsdist.data.options import LoaderConfig, Source
 from wdsdist.data.plan.restore import Resize, Restored
-from wdsdist.data.plan.splits import Plan
+from wdsdist.data.plan.sequence import EpochShards
+from wdsdist.data.plan.splits import Layout, Plan
 from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import UserError
@@ -184,6 +185,32 @@ class Loader:
         n = decoder.host["batches"]
         phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in ("decode", "decode_cpu", "resize", "hand_over")}
         return {"decoder": decoder.described, "batches": n, **phases}
+
+    def reads(self) -> list[list[tuple[int, int, int, int]]]:
+        """split=samples, one data set: what each of this rank's workers reads of the epoch under
+        way, in its reading order, padding left out: runs ``(position, stop, shard, first)``, the
+        epoch's positions [position, stop) being samples first.. of ``self.shards[shard]``. For a
+        caller that files each sample by its shard (``batch["pos"]``, ``batch["id"][:, 1]`` the
+        worker): predict.py's parts, one per input shard. Arithmetic only; no shard is read."""
+        inner = self._loader()
+        if self.mix is not None or not self.config.by_samples:
+            raise TypeError("Loader.reads() needs split=samples and one data set")
+        sequence, where = inner.dataset.sequence(inner.tracker.epoch)
+        assert isinstance(where, EpochShards)
+        cfg = self.config
+        layout = Layout(self.world, int(cfg.workers), cfg.batch_size, str(cfg.remainder))
+        out = []
+        for worker in range(layout.nworkers):
+            mine = []
+            for a, b, tag in sequence.runs(*sequence.span(layout, self.rank, worker)):
+                if tag >= sequence.total:  # the padding: samples already read once
+                    continue
+                _, [pieces] = where.reads([(a, b, tag)])
+                for shard, first, stop in pieces:
+                    mine.append((a, a + stop - first, shard, first))
+                    a += stop - first
+            out.append(mine)
+        return out
 
     def taken(self, batch: dict | None = None) -> None:
         """With ``mark_taken``: the oldest batch delivered and not yet taken is now consumed."""

@@ -302,3 +302,13 @@ def pixels_for_test(rank: int, step: int, batches: list[dict]) -> None:
                 size = images.shape[-1]
                 epoch, pos = int(batch["id"][row, 0]), int(batch["pos"][row])
                 f.write(f"{step} {micro} {epoch} {pos} {size} {crc:08x}\n")
+
+
+def kill_for_test(rank: int, written: int) -> None:
+    """TEST HOOK: WDSDIST_TEST_KILL_RANK=R and WDSDIST_TEST_KILL_AFTER=N make rank R of a
+    prediction job kill itself (SIGKILL, as the OOM killer or a lost node would) once it has
+    written N parts or pieces, so a test can restart the job from a known state
+    (tests/test_predict_dist.py)."""
+    after = os.environ.get("WDSDIST_TEST_KILL_AFTER")
+    if after and os.environ.get("WDSDIST_TEST_KILL_RANK") == str(rank) and written >= int(after):
+        os.kill(os.getpid(), signal.SIGKILL)

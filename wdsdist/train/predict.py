@@ -5,6 +5,7 @@ shards, with the class names, as a table, CSV or JSON lines; or the model export
     predict.py outputs/RUN a.jpg b.png --format jsonl --top-k 3
     predict.py outputs/RUN/latest.pt 'data/val-{000000..000003}.tar' --format csv
     predict.py outputs/RUN --export onnx                 # RUN/model.onnx, checked against torch
+    torchrun --nproc_per_node=8 predict.py outputs/RUN 'SPEC' --out-dir DIR   # a whole data set (predict_job.py)
 
 The model: a run directory or a folder with model.safetensors and config.json (what every run
 writes when it ends), else its latest checkpoint; or a checkpoint file. Preprocessing is the
@@ -15,90 +16,17 @@ that cannot be read is named on stderr and skipped.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import torch
-import torch.nn as nn
 
 from wdsdist.data import DataError, EvalLoader, LoaderConfig, UserError, decode_eval
-from wdsdist.errors import CliParser, run_cli
-from wdsdist.train import export
-from wdsdist.train.config import Stem
-from wdsdist.train.model import make_model
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
-SHARD_MARKS = (".tar", ".index.json", "{", "://")
-
-
-class Classifier(nn.Module):
-    """The model with its normalisation: uint8-scale float images (0-255) in, logits out."""
-
-    def __init__(self, model: nn.Module, mean: list[float], std: list[float]):
-        super().__init__()
-        self.model = model
-        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1) * 255)
-        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1) * 255)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model((images - self.mean) / self.std)
-
-
-def load_model(path: str) -> tuple[Classifier, dict[str, Any]]:
-    """A run directory, an export folder or a checkpoint file, as a Classifier and its config."""
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")):
-        model, config = export.load(path)
-    else:
-        ckpt_path = os.path.join(path, "latest.pt") if os.path.isdir(path) else path
-        if not os.path.isfile(ckpt_path):
-            raise UserError(f"{path}: no model.safetensors, config.json or latest.pt there")
-        model, config = from_checkpoint(ckpt_path)
-    return Classifier(model, config["mean"], config["std"]).eval(), config
-
-
-def from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only
-        cfg = ckpt["config"]
-        data, name, weights = cfg["data"], cfg["model"]["name"], ckpt["model"]
-        if ckpt.get("ema") is not None:  # trainer.ema: the average is what a run ships (export.py)
-            weights = ckpt["ema"]["model"]
-    except Exception as exc:  # noqa: BLE001 (not a checkpoint of ours, whatever the reason)
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        raise UserError(f"{path}: not a checkpoint of this trainer ({type(exc).__name__}: {first[:200]})") from None
-    classes = ckpt.get("classes") or data.get("classes") or [str(i) for i in range(data["num_classes"])]
-    conv = weights.get("conv1.weight")
-    stem = Stem.small if conv is not None and tuple(conv.shape[2:]) == (3, 3) else Stem.imagenet
-    # data.image_size: pixels, or a schedule of [from, size] pairs (the model is built for the largest)
-    trained = data["image_size"] if isinstance(data["image_size"], int) else max(s for _, s in data["image_size"])
-    model = make_model(name, data["num_classes"], trained, stem)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise UserError(f"{path}: its weights do not fit {name}: {str(exc).splitlines()[-1].strip()}") from None
-    size = data.get("eval_size") or trained
-    resize = data.get("eval_resize") or round(size / export.EVAL_RATIO)
-    config = {"classes": classes, "image_size": size, "resize": resize, "mean": data["mean"], "std": data["std"]}
-    return model.eval(), config | {"num_classes": len(classes), "architecture": name}
-
-
-def image_files(inputs: list[str]) -> Iterator[str]:
-    """The image files the inputs name, folders walked in sorted order."""
-    for item in inputs:
-        if os.path.isdir(item):
-            for root, dirs, files in os.walk(item):
-                dirs.sort()
-                yield from (os.path.join(root, f) for f in sorted(files) if f.lower().endswith(IMAGE_SUFFIXES))
-        else:
-            yield item
-
-
-def is_shards(item: str) -> bool:
-    return not os.path.isdir(item) and any(mark in item for mark in SHARD_MARKS)
+from wdsdist.errors import CliParser, integer, run_cli
+from wdsdist.train.classify import Classifier, load_model, top_k
+from wdsdist.train.parts import write
+from wdsdist.train.predict_read import image_files, is_shards
 
 
 def batches(inputs: list[str], cfg: LoaderConfig, skipped: list[str]) -> Iterator[tuple[list[str], torch.Tensor]]:
@@ -122,31 +50,6 @@ def batches(inputs: list[str], cfg: LoaderConfig, skipped: list[str]) -> Iterato
                 names, images = [], []
     if images:
         yield names, torch.stack(images)
-
-
-def top_k(logits: torch.Tensor, classes: list[str], k: int) -> list[list[tuple[str, int, float]]]:
-    probs = logits.float().softmax(1)
-    p, i = probs.topk(min(k, probs.shape[1]), dim=1)
-    return [
-        [(classes[c], c, v) for v, c in zip(pr.tolist(), ir.tolist(), strict=True)] for pr, ir in zip(p, i, strict=True)
-    ]
-
-
-def write(rows: list[tuple[str, list]], fmt: str, out: Any) -> None:
-    if fmt == "jsonl":
-        for name, top in rows:
-            hits = [{"class": c, "label": i, "p": round(p, 6)} for c, i, p in top]
-            out.write(json.dumps({"image": name, "top": hits}, ensure_ascii=False) + "\n")
-    elif fmt == "csv":
-        writer = csv.writer(out)
-        k = len(rows[0][1]) if rows else 0
-        writer.writerow(["image", *[f"{w}{j + 1}" for j in range(k) for w in ("class", "p")]])
-        for name, top in rows:
-            writer.writerow([name, *[x for c, _, p in top for x in (c, f"{p:.6f}")]])
-    else:
-        width = max((len(name) for name, _ in rows), default=5)
-        for name, top in rows:
-            out.write(f"{name:<{width}}  " + "  ".join(f"{c} {100 * p:5.1f}%" for c, _, p in top) + "\n")
 
 
 def export_onnx(model: Classifier, config: dict, out: str) -> float | None:
@@ -182,11 +85,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (a GPU where there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--export", choices=["onnx"], help="write the model as ONNX instead of predicting")
     p.add_argument("--out", help="the ONNX file (default MODEL/model.onnx); or the predictions' file (default stdout)")
+    job = p.add_argument_group("a whole data set, on every rank of a torchrun job (--out-dir)")
+    job.add_argument("--out-dir", help="one part per input shard here, restartable; --out: the parts joined")
+    job.add_argument("--workers", default="auto", help="loader workers per rank: a number, or auto")
+    job.add_argument("--decode", choices=["cpu", "gpu", "auto"], default="cpu", help="where JPEGs are decoded")
+    job.add_argument("--features", action="store_true", help="also each sample's penultimate features (.npy)")
+    job.add_argument("--part-size", type=integer(1), default=1000, help="folders: images per part")
+    job.add_argument("--strict", action="store_true", help="a missing or truncated shard stops the job")
+    job.add_argument("--write-shards", help="each input shard again here, pred.json (and emb.npy) beside each sample")
+    job.add_argument("--cache-dir", help="a node cache for remote shards (loader.cache_dir)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out_dir is not None and not args.export:
+        if not args.inputs:
+            raise UserError("predict.py --out-dir: give the shard specs or folders to classify")
+        from wdsdist.train.predict_job import run_job
+
+        line, status = run_job(args)
+        if line:
+            print(line, file=sys.stderr)
+        return status
     model, config = load_model(args.model)
     if args.export:
         folder = args.model if os.path.isdir(args.model) else os.path.dirname(args.model)
