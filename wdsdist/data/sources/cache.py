@@ -304,14 +304,13 @@ class NodeCache:
                 for key in ("ETag", "Last-Modified"):
                     if headers is not None and headers.get(key):
                         meta[key.lower()] = str(headers.get(key))
-                # Read-ahead counts before its entry shows: the worker's open that finds it, and the
-                # batch that carries the counts, come after (a count made later could miss the last batch).
-                ahead = {"ahead": 1, "fetched_bytes": written} if stop is not None else {}
-                count(**ahead)
+                # counted before the entry shows: read-ahead's count made later could miss the last batch
+                kind = "misses" if stop is None else "ahead"
+                count(**{kind: 1, "fetched_bytes": written})
                 try:
                     entry.finish(fd, part, meta)
                 except OSError as exc:
-                    count(**{name: -n for name, n in ahead.items()})
+                    count(**{kind: -1, "fetched_bytes": -written})
                     raise _LocalError(exc) from None
             except BaseException:
                 unlink(part)
@@ -319,8 +318,6 @@ class NodeCache:
             finally:
                 os.close(fd)
             self.largest = max(self.largest, written)
-            if stop is None:
-                count(misses=1, fetched_bytes=written)
             if size is None:  # nothing was reserved for it: make room now
                 with cachefiles.locked(self.budget_lock):
                     self._evict(0)
