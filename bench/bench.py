@@ -28,6 +28,8 @@ its own format once (cached under the data set's folder, peers/NAME/). Work: Ran
 # contenders and the table stay one command; what runs in a contender's process is contenders.py,
 # the peers' environment peervenv.py, their code peers.py, the photographs photos.py, the charts
 # charts.py.
+# What stays here (about 420 lines: the options, the rounds, the medians and the table) is one
+# command's flow read top down; split further, a contender's row would be defined far from its column.
 
 from __future__ import annotations
 

@@ -34,6 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+# The parts live beside this file (gpucheck_train, _runs, _loader, _decoder, _report); what stays
+# here, about 440 lines, is the check's sizes, its options and the loop over the parts, kept together
+# because each option picks sizes and parts that the rehearsal and the GPU run must agree on.
 import gpucheck_decoder  # noqa: E402  (bench/, beside this file)
 import gpucheck_fork  # noqa: E402
 import gpucheck_loader  # noqa: E402

@@ -27,6 +27,7 @@ def load(name: str):
 
 
 gpukit, train_parts, report = load("gpukit"), load("gpucheck_train"), load("gpucheck_report")
+runs = load("gpucheck_runs")  # a run of train.py read from its log
 
 
 # ---------------------------------------------------------------- the rehearsal
@@ -179,16 +180,16 @@ step 60/60 loss 2.3 acc 10.0% lr 0 4000 samples/s data-wait 0% eta 0s
 
 
 def test_the_steady_rate_is_the_windows_after_the_warm_up_samples_over_their_time():
-    lines = train_parts.windows(LOG)
+    lines = runs.windows(LOG)
     assert lines == [(20, 1000.0, 0.5), (40, 2000.0, 0.1), (60, 4000.0, 0.0)]
-    assert train_parts.PLAN_WORKERS.search(LOG).group(1) == "15"
+    assert runs.PLAN_WORKERS.search(LOG).group(1) == "15"
     # After step 20: 2 windows of 20 x 256 samples, in 2.56 s and 1.28 s.
-    got = train_parts.steady(lines, 20, 256)
+    got = runs.steady(lines, 20, 256)
     assert got["steady_samples_per_s"] == pytest.approx(2 * 5120 / 3.84)
     assert got["steady_data_wait"] == pytest.approx(0.1 * 2.56 / 3.84)
     # A run resumed at step 10 has its first window from there: 10 x 256 samples in 2.56 s.
-    assert train_parts.steady(lines, 10, 256, start=10)["steady_samples_per_s"] == pytest.approx(12800 / 6.4)
-    assert train_parts.steady(lines, 60, 256)["steady_samples_per_s"] is None
+    assert runs.steady(lines, 10, 256, start=10)["steady_samples_per_s"] == pytest.approx(12800 / 6.4)
+    assert runs.steady(lines, 60, 256)["steady_samples_per_s"] is None
 
 
 def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
@@ -196,9 +197,9 @@ def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
 
     host = {"decoder": "nvImageCodec 0.9", "decode_ms": 25.384, "decode_cpu_ms": 3.019, "resize_ms": 1.03}
     line = decode_line({"gpu": 900, "cpu": 124, "failed": 0}, host | {"hand_over_ms": 0.154})
-    said = train_parts.HOST_LINE.search(f"step 60 ...\n{line}\ndone")
+    said = runs.HOST_LINE.search(f"step 60 ...\n{line}\ndone")
     assert said
-    phases = dict(zip(train_parts.HOST_PHASES, map(float, said.groups()), strict=True))
+    phases = dict(zip(runs.HOST_PHASES, map(float, said.groups()), strict=True))
     assert phases == {"decode": 25.38, "decode_cpu": 3.02, "resize": 1.03, "hand_over": 0.15}
     assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.15"
     # One thread, 256 images a batch at 8,458 a second: 33 batches, each 26.41 ms of the thread's time
