@@ -388,3 +388,19 @@ def test_a_model_name_brings_its_classes_preprocessing_and_penultimate_features(
     with torch.no_grad():
         model(torch.rand(2, 3, 32, 32) * 255)
     assert hook.features.shape == (2, 512)
+
+
+def test_a_rank_that_does_not_see_the_output_folder_is_named_in_one_line(data, monkeypatch, tmp_path):
+    """On several nodes the folder must be shared: rank 0 names the first rank that does not see
+    its manifest, in one line, before anything is scored (here rank 1 of two is made blind)."""
+    from wdsdist.data import UserError
+    from wdsdist.train import distributed, predict_job
+    from wdsdist.train.predict import parse_args
+
+    out = tmp_path / "out"
+    args = parse_args([str(data["model"]), str(data["index"]), "--out-dir", str(out), "--workers", "0"])
+    monkeypatch.setattr(distributed, "all_gather_object", lambda seen: [True, False])
+    with pytest.raises(UserError) as refused:
+        predict_job.run_job(args)
+    assert str(refused.value) == f"--out-dir {out}: rank 1 does not see rank 0's files there: use a shared folder"
+    assert not list((out / "parts").glob("*.jsonl"))  # nothing scored

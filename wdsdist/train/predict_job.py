@@ -381,9 +381,7 @@ def run_job(args: argparse.Namespace) -> tuple[str, int]:
         blind = unshared(args.out_dir)
         if blind:
             if dist.is_main:
-                raise UserError(
-                    f"--out-dir {args.out_dir}: rank {blind[0]} does not see rank 0's files there: use a shared folder"
-                )
+                raise UserError(blind)
             return "", 2
         scorer = Scorer(model, config, dist.device, args.top_k, args.features)
         with Progress(dist, sum(job.units[i].count for i in job.todo)) as progress:
