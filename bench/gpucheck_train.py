@@ -23,7 +23,6 @@ sys.path[:0] = [] if str(ROOT / "bench") in sys.path else [str(ROOT / "bench")]
 
 from gpucheck_runs import FIRST_STEP, error_line, run_row, train_py  # noqa: E402  (bench/, beside this file)
 
-
 # ---------------------------------------------------------------- pure compute
 
 
