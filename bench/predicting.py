@@ -35,7 +35,7 @@ def model_folder(data: Path) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from wdsdist.train.export import FORMAT
+    from wdsdist.train.export import EVAL_RATIO, FORMAT
     from wdsdist.train.model import make_model
 
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ def model_folder(data: Path) -> str:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     config = {
         "format": FORMAT, "library": "torchvision", "architecture": ARCH, "num_classes": CLASSES,
-        "classes": [f"class{i:02d}" for i in range(CLASSES)], "image_size": SIZE, "resize": round(SIZE / 0.875),
+        "classes": [f"class{i:02d}" for i in range(CLASSES)], "image_size": SIZE, "resize": round(SIZE / EVAL_RATIO),
         "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "stem": "default", "weights": "model",
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=1))

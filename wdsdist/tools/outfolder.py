@@ -6,7 +6,9 @@ data/ or outputs/ (``./run docker`` run by root with an image user of 1000, or t
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from wdsdist.errors import UserError
 
@@ -51,3 +53,17 @@ def unwritable(folder: str, what: str, reason: str) -> str:
         f"{head}: {there} is yours but not writable (mode {st.st_mode & 0o777:o}, or a read-only mount); "
         f"fix: chmod u+rwx {there}, or choose another folder"
     )
+
+
+@contextlib.contextmanager
+def written_whole(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` (PATH.tmpPID) for the block to write; renamed over ``path``
+    when the block ends, removed when it fails: a reader finds the old file or the new one whole,
+    and a killed writer leaves only the temporary file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wdsdist.data import Loader
 from wdsdist.errors import JobError, UserError
+from wdsdist.tools.outfolder import written_whole
 from wdsdist.train import distributed
 from wdsdist.train.distributed import Dist
 from wdsdist.train.ema import Ema
@@ -39,10 +40,8 @@ CKPT_FORMAT = "wdsdist-checkpoint-v1"
 
 
 def write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with written_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def _atomic_save(obj: Any, path: str, may_write: Any = None) -> None:

@@ -68,7 +68,7 @@ def pretrained_model(name: str) -> tuple[nn.Module, dict[str, Any]]:
         config = {"mean": found.mean, "std": found.std, "image_size": found.image_size}
         config |= {"resize": pre.resize_size[0], "classes": found.torchvision.meta["categories"]}
     if not config["classes"]:
-        out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+        out = last_linear(model).out_features
         config["classes"] = [str(i) for i in range(out)]
     return model.eval(), config | {"num_classes": len(config["classes"]), "architecture": name, "weights": "pretrained"}
 

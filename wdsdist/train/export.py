@@ -20,6 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from wdsdist.errors import UserError
+from wdsdist.tools.outfolder import written_whole
 from wdsdist.train import recipe
 from wdsdist.train.checkpoint import write_text
 from wdsdist.train.config import Stem
@@ -58,9 +59,8 @@ def export(run_dir: str, cfg: DictConfig, model: nn.Module, step: int, ema: Ema 
 
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     path = os.path.join(run_dir, "model.safetensors")
-    tmp = path + f".tmp{os.getpid()}"
-    save_file(weights, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with written_whole(path) as tmp:
+        save_file(weights, tmp, metadata={"format": "pt"})
     write_text(os.path.join(run_dir, "config.json"), json.dumps(config_of(cfg, model, step, ema), indent=1) + "\n")
     return path
 

@@ -27,11 +27,12 @@ from typing import Any, TextIO
 import numpy as np
 
 from wdsdist.errors import UserError
+from wdsdist.tools.outfolder import written_whole
 
 MANIFEST = "manifest.json"
 VERSION = 1
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_TEMPORARY = re.compile(r"\.tmp\d+$")  # write_whole's
+_TEMPORARY = re.compile(r"\.tmp\d+$")  # written_whole's
 _PIECE = re.compile(r"^(?P<name>.+)\.(?P<first>\d+)-(?P<stop>\d+)\.json$")
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 
@@ -55,10 +56,8 @@ def part_names(urls: Sequence[str]) -> list[str]:
 
 def write_whole(path: str, data: bytes) -> None:
     """``data`` at ``path``, through a temporary file renamed over it: whole or not at all."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with written_whole(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
-    os.replace(tmp, path)
 
 
 def remove_temporaries(out_dir: str) -> int:
@@ -227,13 +226,12 @@ def join(out_dir: str, names: Sequence[str], out: str) -> int:
     """The parts joined into ``out`` in the order of ``names`` (the spec's); the rows written."""
     fmt = output_format(out)
     rows = list(part_rows(out_dir, names))
-    tmp = f"{out}.tmp{os.getpid()}"
-    if fmt == "parquet":
-        write_parquet(rows, tmp)
-    else:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            write(rows, fmt, f)
-    os.replace(tmp, out)
+    with written_whole(out) as tmp:
+        if fmt == "parquet":
+            write_parquet(rows, tmp)
+        else:
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                write(rows, fmt, f)
     return len(rows)
 
 

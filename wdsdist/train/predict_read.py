@@ -165,10 +165,10 @@ def file_stream(
     loader = DataLoader(
         _Files(paths, cfg), batch_size=cfg.batch_size, num_workers=int(cfg.workers), collate_fn=_collate
     )
-    return [runs], _file_batches(loader, runs, paths, lo)
+    return [runs], _file_batches(loader, paths, lo)
 
 
-def _file_batches(loader: DataLoader, runs: list[Run], paths: Sequence[str], lo: int) -> Iterator[Batch]:
+def _file_batches(loader: DataLoader, paths: Sequence[str], lo: int) -> Iterator[Batch]:
     for items in loader:
         good = [(i, image) for i, image in items if image is not None]
         if good:

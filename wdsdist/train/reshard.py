@@ -18,8 +18,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from wdsdist.data import LoaderConfig, shard_samples, write_index
+from wdsdist.data import DataError, LoaderConfig, shard_samples, write_index
+from wdsdist.tools.outfolder import written_whole
 from wdsdist.train.collect import Unit
+from wdsdist.train.parts import npy_bytes
 
 INDEX = "predicted.index.json"
 
@@ -38,35 +40,29 @@ def write_shard(out_dir: str, parts_dir: str, unit: Unit, cfg: LoaderConfig, fea
     embs = np.load(os.path.join(parts_dir, unit.name + ".npy")) if features else None
     os.makedirs(out_dir, exist_ok=True)
     path = shard_path(out_dir, unit)
-    tmp = f"{path}.tmp{os.getpid()}"
     count, scored = 0, 0
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with written_whole(path) as tmp, tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
         for sample in shard_samples(unit.source, cfg):
             key = sample.pop("__key__")
             members = dict(sample)
             if key in preds:
                 members["pred.json"] = json.dumps(preds[key]).encode()
                 if embs is not None:
-                    buf = io.BytesIO()
-                    np.save(buf, embs[scored], allow_pickle=False)
-                    members["emb.npy"] = buf.getvalue()
+                    members["emb.npy"] = npy_bytes(embs[scored])
                 scored += 1
             for suffix, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{suffix}")
                 info.size, info.mode = len(data), 0o444
                 tar.addfile(info, io.BytesIO(data))
             count += 1
-    os.replace(tmp, path)
+        if count != unit.count:  # raised inside: the temporary file is removed, nothing is renamed
+            raise DataError(f"{unit.source}: {count} samples where its index says {unit.count}")
     return count
 
 
 def write_shards_index(out_dir: str, units: Sequence[Unit]) -> str:
-    """DIR2's index: every part's shard and its sample count (counted from the shards written)."""
-    shards = []
-    for unit in units:
-        with tarfile.open(shard_path(out_dir, unit)) as tar:
-            keys = {m.name.split(".", 1)[0] for m in tar.getmembers()}
-        shards.append((shard_path(out_dir, unit), len(keys)))
+    """DIR2's index: every part's shard and its sample count (write_shard checked it against the
+    input's)."""
     path = os.path.join(out_dir, INDEX)
-    write_index(path, shards, name="predicted")
+    write_index(path, [(shard_path(out_dir, unit), unit.count) for unit in units], name="predicted")
     return path
