@@ -35,7 +35,7 @@ from wdsdist.data.plan.sequence import EpochShards
 from wdsdist.data.plan.splits import Layout, Plan
 from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
-from wdsdist.errors import UserError
+from wdsdist.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class Loader:
     Each batch is a dict: ``image`` (uint8, N x 3 x S x S, channels_last memory), ``label``
     (int64, N), ``id`` (int64, N x 3: epoch, worker, position in the worker's stream), ``pos``
     (int64, N: the position in the epoch's sample sequence with ``split=samples``, else -1),
-    ``bad`` (the samples and shard reads skipped before each row) and ``cache`` (int64, one per count: what
+    ``bad`` (int64, N x 2: the samples lost and shard reads failed before each row; a stand-in's
+    row counts its own loss), ``bad_shards`` and ``bad_samples`` (their names) and ``cache`` (int64, one per count: what
     the node cache, ``config.cache_dir``, did in the worker that made the batch since its previous
     one, named by ``CACHE_COUNTS``; sum them over batches, and over ranks, for a total). Convert
     and normalise on the device; the loader never makes float batches.
@@ -87,6 +88,15 @@ class Loader:
     ``state_dict``'s gather (default: torch.distributed's). ``mark_taken``: count a batch as
     consumed only once ``taken(batch)`` is called (for a caller that fetches ahead of what it
     trains, as Lightning does for a loader without a length).
+
+    Damaged data costs only itself: a sample that cannot be decoded, or one in a shard that cannot
+    be read, is filled by a stand-in (a good sample of the same epoch, marked as padding in
+    ``pos``, its loss counted in ``bad`` and named in ``bad_samples`` or ``bad_shards``), so
+    every rank still delivers ``len()`` batches and a plain loop needs no call to stay in step.
+    Past ``config.max_bad`` of a rank's samples in an epoch (or at the first loss with
+    ``config.strict``) the rank stops: ``on_limit="raise"`` raises DataError naming the shards and
+    samples; ``"mark"`` (for a trainer that stops every rank together) delivers the batch with that
+    line in ``batch["past_limit"]`` instead.
     """
 
     def __init__(
@@ -99,7 +109,11 @@ class Loader:
         transform: Transform | None = None,
         group: Any = None,
         mark_taken: bool = False,
+        on_limit: str = "raise",
     ):
+        if on_limit not in ("raise", "mark"):
+            raise ValueError(f"on_limit must be 'raise' or 'mark', not {on_limit!r}")
+        self.on_limit = on_limit
         self.rank, self.world = dist_layout(rank, world)
         check_decode(config)  # decode=gpu without CUDA: one line now
         if transform is not None and config.decode == "gpu" and config.decode_why is not None:
@@ -155,6 +169,8 @@ class Loader:
                 if inner.epoch_batches is None:
                     self._stream = None  # a stream that ended (its shards failed): the next iter() starts anew
                 return
+            if "past_limit" in batch and self.on_limit == "raise":
+                raise DataError(batch["past_limit"])
             self.steps, self._delivered = self.steps + 1, True
             if before is not None:
                 self._held.append(before)
@@ -163,7 +179,7 @@ class Loader:
     @property
     def decode_counts(self) -> dict[str, int]:
         """decode=gpu: training images decoded so far on the GPU (``gpu``), on the CPU (``cpu``: a
-        PNG, a CMYK JPEG, one nvJPEG refused) and left out of their batch (``failed``: no decoder
+        PNG, a CMYK JPEG, one nvJPEG refused) and filled in their batch (``failed``: no decoder
         could); empty under decode=cpu."""
         decoder = self._inner.decoder if self._inner is not None else None
         return {k: decoder.counts[k] for k in ("gpu", "cpu", "failed")} if decoder is not None else {}
@@ -257,8 +273,9 @@ class Loader:
         return inner.tracker.epoch
 
     def end_epoch(self) -> None:
-        """Epoch mode: end the epoch under way now (another rank ran out of data after skipping
-        bad samples, and ranks must stay in step); the next ``iter()`` starts the next one."""
+        """Epoch mode: end the epoch under way now; the next ``iter()`` starts the next one. Not
+        needed for damaged data, whose losses are filled so every rank delivers ``len()``
+        batches; kept for a loop that stops an epoch early of its own accord."""
         self._loader().end_epoch()
 
     # ------------------------------------------------------------ state

@@ -61,7 +61,13 @@ class SampleOptions:
     num_classes: int | None = None
     """Labels outside [0, num_classes) are corrupt samples, skipped; None: not checked."""
     strict: bool = False
-    """A bad or missing shard or sample is an error; by default it is skipped, warned and counted."""
+    """A bad or missing shard or sample is an error (in training: the rank stops at the first, as
+    past ``max_bad``); by default its place is filled, and it is warned and counted."""
+    max_bad: float = 0.01
+    """Training: the share of a rank's samples in an epoch that may be lost (damaged, or in a shard
+    that cannot be read) and filled by stand-ins; past it the rank stops with DataError naming
+    them. A few damaged files are normal; a share past 1 % is a missing bucket or mount, and
+    training on what is left would skew the data set without a word."""
     allow_pipe: bool = False
     """Accept ``pipe:`` shard URLs (they run a shell command)."""
     trust_index: bool = False

@@ -173,6 +173,7 @@ SAMPLE_RULES: tuple[Rule, ...] = (
     ("augment_n", lambda o: o.augment_n >= 0, "must be >= 0 (ops per image)"),
     ("augment_m", lambda o: 0 <= o.augment_m <= 30, "a magnitude in 0..30"),
     ("random_erase", lambda o: 0.0 <= o.random_erase <= 1.0, "a probability between 0 and 1"),
+    ("max_bad", lambda o: 0.0 <= o.max_bad <= 1.0, "a share between 0 and 1"),
     ("mean", lambda o: len(o.mean) == 3 and all(0 <= m <= 1 for m in o.mean), "3 values on the 0-1 scale"),
     ("eval_size", lambda o: o.eval_size is None or o.eval_size >= 8, "must be >= 8, or null (image_size)"),
     (

@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -182,10 +182,10 @@ class BatchDecoder:
             batch["made"].record(self.stream)
         return batch
 
-    def hand_over(self, batch: dict) -> dict:
+    def hand_over(self, batch: dict, total_of: Callable[[int], int] | None = None) -> dict:
         """A decoded batch as the caller gets it, on the caller's thread: its stream waits for the
         images to be made and holds their memory until it is done with them; the rows no decoder
-        could make are left out (after the caller has counted them consumed)."""
+        could make are filled (fill_rows; ``total_of(epoch)``: the epoch's positions, split=samples)."""
         began = time.perf_counter()
         made = batch.pop("made", None)
         if made is not None:
@@ -194,7 +194,7 @@ class BatchDecoder:
             batch["image"].record_stream(current)
         failed = batch.pop("failed", [])
         if failed:
-            drop_rows(batch, failed)
+            fill_rows(batch, failed, total_of(int(batch["id"][0, 0])) if total_of is not None else None)
         self.host["hand_over"] += time.perf_counter() - began
         return batch
 
@@ -291,9 +291,9 @@ class Decoders:
         threads = len(self.all)
         return self.all[0].described + (f"; {threads} decode threads" if threads > 1 else "")
 
-    def hand_over(self, batch: dict) -> dict:
+    def hand_over(self, batch: dict, total_of: Callable[[int], int] | None = None) -> dict:
         """Any decoder's hand-over does it (the batch carries its event); its time is counted there."""
-        return self.all[0].hand_over(batch)
+        return self.all[0].hand_over(batch, total_of)
 
 
 def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:
@@ -304,23 +304,31 @@ def _cpu_decode(data: torch.Tensor, where: str) -> torch.Tensor | None:
         return None
 
 
-def drop_rows(batch: dict, rows: list[int]) -> None:
-    """Leave ``rows`` out of a finished batch; each counts as a skipped sample, carried by the next
-    row kept (or the last one kept), as a worker's skips ride on its next row."""
+def fill_rows(batch: dict, rows: list[int], total: int | None = None) -> None:
+    """Fill ``rows`` of a finished batch, which no decoder could make, as a worker fills a lost
+    sample (delivery/fill.py): each takes the next good row's image, label and key (its pixels
+    too: the draws were made), is marked padding in ``pos`` (N + that row's position, with the
+    epoch's ``total`` N) and counts its loss in ``bad``. A batch with no good row loses them."""
     n = len(batch["label"])
     gone = set(rows)
-    keep = [i for i in range(n) if i not in gone]
+    good = [i for i in range(n) if i not in gone]
+    if not good:
+        keep = []
+        batch["bad"] = batch["bad"][keep]
+        for name in ("image", "label", "id", "pos", "source"):
+            if name in batch:
+                batch[name] = batch[name][keep]
+        return
     bad = batch["bad"].clone()
     for row in rows:
-        later = [i for i in keep if i > row]
-        target = later[0] if later else (keep[-1] if keep else None)
-        if target is not None:
-            bad[target] += bad[row]
-            bad[target, 0] += 1
-    batch["bad"] = bad[keep]
-    for name in ("image", "label", "id", "pos", "source"):
-        if name in batch:
-            batch[name] = batch[name][keep]
-    for name in ("key", "skipped"):
-        if isinstance(batch.get(name), list | tuple):
-            batch[name] = [batch[name][i] for i in keep]
+        twin = next((i for i in good if i > row), good[0])
+        bad[row, 0] += 1
+        for name in ("image", "label", "source"):
+            if name in batch:
+                batch[name][row] = batch[name][twin]
+        pos = int(batch["pos"][twin])
+        batch["pos"][row] = pos + total if total is not None and 0 <= pos < total else pos
+        if isinstance(batch.get("key"), list):
+            batch.setdefault("bad_samples", []).append(str(batch["key"][row]))
+            batch["key"][row] = batch["key"][twin]
+    batch["bad"] = bad

@@ -64,11 +64,14 @@ def opened(gate: Any | None) -> None:
         gate.set()
 
 
-def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str]]:
-    """Rows' skip records (samples, shard reads, then the URL of each shard read that failed)
-    -> a [b, 2] count tensor and the failed URLs: a shard that fails on every pass is one bad
-    shard, read many times."""
-    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), [url for b in bad for url in b[2:]]
+def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str], list[str]]:
+    """Rows' loss records (samples lost, shard reads failed, then the URL of each shard read that
+    failed and, as 1-tuples, the name of each damaged sample) -> a [b, 2] count tensor, the
+    failed URLs (a shard that fails on every pass is one bad shard, read many times) and the
+    damaged samples' names ("URL KEY")."""
+    names = [x for b in bad for x in b[2:]]
+    urls = [x for x in names if isinstance(x, str)]
+    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), urls, [x[0] for x in names if isinstance(x, tuple)]
 
 
 def finish_batches(
@@ -88,8 +91,9 @@ def finish_batches(
             batch["image"] = pin(batch["image"])
         batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
         batch["id"], batch["pos"] = split_ids(batch["id"])
-        # bad: [b, 2], the samples and shard reads skipped before each row; bad_shards: their URLs
-        batch["bad"], batch["bad_shards"] = bad_counts(batch["bad"])
+        # bad: [b, 2], the samples lost and shard reads failed before each row; bad_shards: their
+        # URLs; bad_samples: the damaged samples' names
+        batch["bad"], batch["bad_shards"], batch["bad_samples"] = bad_counts(batch["bad"])
         batch["cache"] = torch.tensor(batch.get("cache", NO_COUNTS), dtype=torch.int64)
         opened(gate)
         yield batch
@@ -149,7 +153,7 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "skipped": [r["skipped"] for r in rows],
         "cache": torch.tensor([r.get("cache", NO_COUNTS) for r in rows], dtype=torch.int64).sum(0),
     }
-    batch["bad"], batch["bad_shards"] = bad_counts([r["bad"] for r in rows])
+    batch["bad"], batch["bad_shards"], batch["bad_samples"] = bad_counts([r["bad"] for r in rows])
     if rows[0]["key"] is not None:
         batch["key"] = [r["key"] for r in rows]
     return batch

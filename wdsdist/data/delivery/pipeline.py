@@ -62,6 +62,7 @@ from wdsdist.data.decode.codecs import planned as planned_decoder  # noqa: F401 
 from wdsdist.data.decode.gpu import Decoders
 from wdsdist.data.decode.sample import eval_image
 from wdsdist.data.delivery.batches import collate_samples, finish_batches, unbatch_samples
+from wdsdist.data.delivery.fill import LossLimit
 from wdsdist.data.delivery.gpubatches import decoded_ahead
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stream import ShardStream
@@ -152,6 +153,18 @@ class RankLoader:
         self.plan_batches: int | None = None  # epoch mode: batches of a whole epoch (None: to the data's end)
         if cfg.mode == "epoch":
             self.plan_batches = plan_.ranks[rank].batches if plan_ is not None else None
+        # Losses filled by stand-ins (fill.py), held to loader.max_bad per epoch
+        self.limit = LossLimit(cfg, self._per_epoch()) if self.dataset.fills else None
+
+    def _per_epoch(self) -> int | None:
+        """A rank's samples in an epoch, where the counts are known."""
+        if self.plan_batches is not None:
+            return self.plan_batches * self.cfg.batch_size
+        return -(-self.plan.total_samples // self.world) if self.plan is not None else None
+
+    def total_of(self, epoch: int) -> int:
+        """split=samples: the positions of ``epoch`` (N; padding is tagged N and up)."""
+        return self.dataset.sequence(epoch)[0].total
 
     def batches_of(self, epoch: int) -> int | None:
         """Epoch mode: the batches every rank delivers in ``epoch`` (an elastic epoch's own count,
@@ -207,10 +220,15 @@ class RankLoader:
 
     def _finished(self, batch: dict) -> dict:
         """A batch as the caller gets it, once the tracker has counted every row it consumed:
-        its sources (several data sets), and under decode=gpu its images handed over to the
-        caller's stream, less the rows no decoder could make."""
+        its sources (several data sets), under decode=gpu its images handed over to the caller's
+        stream (a row no decoder could make filled), and ``past_limit`` where this epoch's losses
+        passed loader.max_bad."""
         batch = self._with_sources(batch)
-        return self.decoder.hand_over(batch) if self.decoder is not None else batch
+        if self.decoder is not None:
+            batch = self.decoder.hand_over(batch, self.total_of if self.cfg.by_samples else None)
+        if self.limit is not None and (past := self.limit.add(batch)):
+            batch["past_limit"] = f"rank {self.rank}: {past}"
+        return batch
 
     def _with_sources(self, batch: dict) -> dict:
         """Several data sets: ``batch["source"]``, each sample's source (its index in the mix),

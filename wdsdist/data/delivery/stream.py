@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from wdsdist.data.delivery.batches import batched, collate
+from wdsdist.data.delivery.fill import LastGood, PositionStand, lost_name
 from wdsdist.data.delivery.prep import SamplePrep
 from wdsdist.data.delivery.sharedbatches import SharedBatches
 from wdsdist.data.delivery.stratified import quotas, stratified
@@ -112,7 +113,8 @@ def _wanted(samples: Iterable[dict], start: int, skip: frozenset, passed: list) 
 
 def _prepared(wanted: Iterable[tuple[int, dict]], prepare: Callable) -> Iterator[tuple]:
     """(seq, sample, prepared): what prepare_sample returned or the DataError it raised, in the
-    stream's order (it makes the random draws: prep.SamplePrep); FAILED for a placeholder."""
+    stream's order (it makes the random draws: prep.SamplePrep); FAILED for a placeholder. The
+    sample comes with its late members read (a stand-in may be made of it: fill.LastGood)."""
     for seq, sample in wanted:
         if FAILED in sample:
             yield seq, sample, FAILED
@@ -197,6 +199,11 @@ class ShardStream(IterableDataset):
         self.mixed: MixEpoch | None = None  # the last epoch's, in each worker
         # loader.mix=stratified, in each worker: epoch -> each source's rows in each batch of its span
         self.stripes: dict[int, list[list[int]]] = {}
+        # Equal batches: each lost sample gets a stand-in row (fill.py); with partial batches
+        # (prediction, evaluation) a loss is only skipped.
+        self.fills = not cfg.partial and cfg.mode != "resampled"
+        self.counts = {s.url: s.nsamples for s in self.all_shards}  # split=shards: the placeholders' count
+        self.failed: set[str] = set()  # in each worker: shards whose read failed (no stand-in is sought there)
 
     def mix_epoch(self, epoch: int) -> MixEpoch:
         """The mix's epoch ``epoch`` (kept while it is the one read)."""
@@ -315,10 +322,18 @@ class ShardStream(IterableDataset):
 
     def _raw_samples(self, urls: Iterable[str], worker: int, bad: list[int]) -> Iterator[dict]:
         """Raw samples of these shards; a shard that fails is skipped, counted in ``bad[1]`` and
-        its URL appended to ``bad`` (or raises DataError in strict mode)."""
+        its URL appended to ``bad`` (or raises DataError in strict mode). Where stand-ins fill
+        losses and the shard's count is known, a FAILED placeholder follows for each sample of
+        its count that the read did not deliver."""
         ahead = ReadAhead(urls, lambda url: (url, None), self.cfg.access, self.cfg.cache_ahead)
         for url in ahead:
-            yield from self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad, ahead.opened)
+            got = 0
+            for sample in self._read_guarded(url, functools.partial(self._read_whole, url), worker, bad, ahead.opened):
+                got += 1
+                yield sample
+            if self.fills:
+                for _ in range(got, self.counts.get(url) or 0):
+                    yield {FAILED: True}
 
     def _read_whole(self, url: str) -> Iterator[dict]:
         stream = open_shard(url, self.cfg.access)
@@ -346,11 +361,12 @@ class ShardStream(IterableDataset):
             raise DataError(str(exc)) from None
         except Exception as exc:
             error = DataError(f"{url}: cannot read shard: {describe(exc)}")
-            if self.cfg.strict:
+            if self.cfg.strict and not self.fills:
                 raise error from None
             warn_skip(error)
             bad[1] += 1
             bad.append(url)
+            self.failed.add(url)
         if self.cfg.trace:
             log.debug("rank %d worker %d close %s", self.rank, worker, url)
 
@@ -393,6 +409,42 @@ class ShardStream(IterableDataset):
             return stratified(rows, self, cfg.batch_size, collation, partial, cap, made)
         return batched(rows, cfg.batch_size, collation, partial)
 
+    def _stand(self, epoch: int, prepare: Callable) -> PositionStand | LastGood | None:
+        """What stands in for a lost sample this epoch (fill.py); None: losses are skipped."""
+        if not self.fills:
+            return None
+        if not self.cfg.by_samples:
+            return LastGood(prepare)
+        return PositionStand(self.all_shards, self.cfg, epoch, self.sequence(epoch)[1], prepare)
+
+    def _made(
+        self, seq: int, sample: dict, done: Any, stand: Any, bad: list, skipped: list, epoch: int
+    ) -> Iterator[tuple[Any, dict, int]]:
+        """The rows one sample of the stream makes, as (prepared, sample, seq): itself; for a loss,
+        its stand-in (none without stand-ins: the loss is skipped, a run for the tracker); and
+        under split=shards, after the first good sample, the stand-ins that waited for it."""
+        if done is not FAILED and not isinstance(done, DataError):
+            yield done, sample, seq
+            if isinstance(stand, LastGood):
+                yield from stand.good(sample, seq)
+            return
+        tag = sample.get(POSITION, -1)
+        total = stand.total if isinstance(stand, PositionStand) else None
+        if total is None or tag < total:  # a padding read of a loss is not a second loss
+            bad[0] += 1
+            if isinstance(done, DataError):
+                if self.cfg.strict and stand is None:
+                    raise done
+                warn_skip(done)
+                bad.append((lost_name(sample),))
+        if stand is None:
+            _skip(skipped, epoch, seq)
+        elif isinstance(stand, PositionStand):
+            made, stood = stand(seq, tag % stand.total, self.failed)
+            yield made, stood, seq
+        else:
+            yield from stand(seq)
+
     def _rows(
         self,
         worker: int,
@@ -433,29 +485,20 @@ class ShardStream(IterableDataset):
             produced = seen = 0
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
             prepare = functools.partial(prep, epoch=epoch, worker=worker)
+            stand = self._stand(epoch, prepare)
             for seq, sample, done in warm.run(_prepared(wanted, prepare)):
                 seen += 1
-                if done is FAILED:  # its shard's failure is counted and warned about already
-                    _skip(skipped, epoch, seq)
-                    continue
-                if isinstance(done, DataError):
-                    if cfg.strict:
-                        raise done
-                    warn_skip(done)
-                    bad[0] += 1
-                    _skip(skipped, epoch, seq)
-                    continue
-                image, label = done
-                if self.transform is not None:
-                    image = transformed(self.transform, image, sample)
-                key = sample["__key__"] if cfg.with_keys else None
-                ids = (epoch, worker, seq, sample.get(POSITION, -1))
-                warm.row()
-                yield image, label, ids, tuple(bad), key, tuple(tuple(r) for r in skipped)
-                bad[:] = [0, 0]
-                skipped = []
-                produced += 1
-                prep.rows += 1
+                for (image, label), sample, seq in self._made(seq, sample, done, stand, bad, skipped, epoch):
+                    if self.transform is not None:
+                        image = transformed(self.transform, image, sample)
+                    key = sample["__key__"] if cfg.with_keys else None
+                    ids = (epoch, worker, seq, sample.get(POSITION, -1))
+                    warm.row()
+                    yield image, label, ids, tuple(bad), key, tuple(tuple(r) for r in skipped)
+                    bad[:] = [0, 0]
+                    skipped = []
+                    produced += 1
+                    prep.rows += 1
             # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
             if not produced and start == 0 and not skip and not runs.get(epoch) and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.

@@ -53,3 +53,11 @@ def sample_draws(seed: int, epoch: int, tag: int | tuple[int, ...]) -> int:
     # paid once per sample in the worker's hot path
     digest = hashlib.blake2b(f"{seed}:{epoch}:{tag}:draws".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def sample_fill(seed: int, epoch: int, position: int) -> int:
+    """split=samples: where the stand-in for a lost sample at ``position`` of ``epoch`` is sought
+    (delivery/fill.py), taken mod the epoch's length: a function of the loss alone, so any layout
+    and any resume choose the same one."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{position}:fill".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

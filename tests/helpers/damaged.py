@@ -1,0 +1,82 @@
+"""Damaged shards as users meet them: scikit-learn's 1,437 digits (the first 1,437 of its
+1,797) as JPEGs in 10 shards (9 x 150 + 87) with an index, and in a copy some samples' image
+bytes overwritten with noise inside the tar (the tar, its headers and the index unchanged), or a
+shard gone. Each sample's label is its number (0..1436), so a test can say which were delivered.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+
+from wdsdist.data.sources.index import write_index
+
+TOTAL, PER_SHARD = 1437, 150
+# (shard, sample in it): 5 damaged samples in 5 of the 10 shards, one of them the epoch's first
+# in shard order 0 (read again as padding) and one a shard's last
+DAMAGED = ((0, 0), (2, 77), (4, 149), (6, 3), (9, 86))
+
+
+def digit_jpegs(count: int = TOTAL, side: int = 16) -> list[bytes]:
+    from sklearn.datasets import load_digits
+
+    out = []
+    for image in load_digits().images[:count]:
+        grey = Image.fromarray((image * 16).clip(0, 255).astype(np.uint8)).resize((side, side), Image.BILINEAR)
+        buf = io.BytesIO()
+        grey.convert("RGB").save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def write_digits(folder: Path, prefix: str = "digits") -> tuple[str, list[Path]]:
+    """The clean shards and their index: (the index's path, the shards)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jpegs = digit_jpegs()
+    paths, counts = [], []
+    for s, first in enumerate(range(0, TOTAL, PER_SHARD)):
+        path = folder / f"{prefix}-{s:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for n in range(first, min(first + PER_SHARD, TOTAL)):
+                sink.write({"__key__": f"{n:06d}", "jpg": jpegs[n], "cls": str(n).encode()})
+        paths.append(path)
+        counts.append(min(PER_SHARD, TOTAL - first))
+    index = folder / f"{prefix}.index.json"
+    write_index(str(index), [(str(p), c) for p, c in zip(paths, counts, strict=True)])
+    return str(index), paths
+
+
+def damage(folder: Path, damaged: tuple[tuple[int, int], ...] = DAMAGED, prefix: str = "digits") -> set[int]:
+    """Noise over the image bytes of these (shard, sample) in place; the damaged labels."""
+    rng = np.random.default_rng(0)
+    lost = set()
+    for shard, sample in damaged:
+        path = folder / f"{prefix}-{shard:06d}.tar"
+        with tarfile.open(path) as tar:
+            member = next(m for m in tar.getmembers() if m.name == f"{shard * PER_SHARD + sample:06d}.jpg")
+        with open(path, "r+b") as f:
+            f.seek(member.offset_data)
+            f.write(rng.integers(0, 256, member.size, dtype=np.uint8).tobytes())
+        lost.add(shard * PER_SHARD + sample)
+    return lost
+
+
+def damaged_copy(clean: Path, to: Path, damaged: tuple[tuple[int, int], ...] = DAMAGED) -> tuple[str, set[int]]:
+    """A copy of the clean folder with these samples damaged: (its index, the damaged labels)."""
+    shutil.copytree(clean, to)
+    index = next(str(to / n) for n in os.listdir(to) if n.endswith(".index.json"))
+    return index, damage(to, damaged)
+
+
+def unreadable(folder: Path, shard: int, prefix: str = "digits") -> set[int]:
+    """Shard ``shard`` made unreadable (not a tar any more); its labels."""
+    path = folder / f"{prefix}-{shard:06d}.tar"
+    path.write_bytes(b"not a tar file\n" * 100)
+    return set(range(shard * PER_SHARD, min((shard + 1) * PER_SHARD, TOTAL)))
