@@ -32,7 +32,7 @@ from wdsdist.data.delivery.pipeline import (
 from wdsdist.data.options import LoaderConfig, Source
 from wdsdist.data.plan.restore import Resize, Restored
 from wdsdist.data.plan.sequence import EpochShards
-from wdsdist.data.plan.splits import Layout, Plan
+from wdsdist.data.plan.splits import Plan
 from wdsdist.data.plan.state import LoaderState, RankState, gathered
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.errors import DataError, UserError
@@ -211,14 +211,12 @@ class Loader:
         inner = self._loader()
         if self.mix is not None or not self.config.by_samples:
             raise TypeError("Loader.reads() needs split=samples and one data set")
-        sequence, where = inner.dataset.sequence(inner.tracker.epoch)
-        assert isinstance(where, EpochShards)
-        cfg = self.config
-        layout = Layout(self.world, int(cfg.workers), cfg.batch_size, str(cfg.remainder))
-        out = []
-        for worker in range(layout.nworkers):
+        out, nworkers = [], max(int(self.config.workers), 1)
+        for worker in range(nworkers):
+            sequence, where, runs = inner.dataset.worker_runs(inner.tracker.epoch, worker, nworkers)
+            assert isinstance(where, EpochShards)
             mine = []
-            for a, b, tag in sequence.runs(*sequence.span(layout, self.rank, worker)):
+            for a, b, tag in runs:
                 if tag >= sequence.total:  # the padding: samples already read once
                     continue
                 _, [pieces] = where.reads([(a, b, tag)])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -26,6 +26,7 @@ class Feed:
         self.pending: distributed.Agreement | None = None  # repeat and resampled modes: the stop flags in flight
         self.some_have = False  # epoch mode, as of the last agreement: some rank has a batch
         self.ended_without_step = False  # the last epoch ended before this rank trained a step of it
+        self.past_limit: str | None = None  # this rank's loader lost more than loader.max_bad (its line)
 
     def next(self) -> tuple[dict | None, float]:
         """The next batch (None: this rank's epoch is over, in epoch mode) and the seconds waited for it."""
@@ -43,12 +44,19 @@ class Feed:
                 )
         return batch, time.perf_counter() - t0
 
-    def agree(self, batch: dict | None) -> tuple[bool, bool]:
-        """(stop, ran out), the same on every rank."""
+    def agree(self, batch: dict | None, step: int) -> tuple[bool, bool]:
+        """(stop, ran out), the same on every rank. Where some rank's loader lost more than
+        loader.max_bad, every rank stops here, at one step (``past_limit``)."""
+        if batch is not None and "past_limit" in batch:
+            self.past_limit = self.past_limit or batch["past_limit"]
+        past = self.past_limit is not None
         if self.mode == LoaderMode.epoch:
-            # One small all-reduce: a rank that skipped bad data runs out first, and every rank
-            # then ends the epoch with it instead of waiting for it forever.
-            stop_all, out_any, have_any = distributed.agree_max([self.stop.requested, batch is None, batch is not None])
+            # One small all-reduce: every rank delivers the plan's batches (losses are filled),
+            # and one that still runs out ends the epoch for all instead of leaving them waiting.
+            flags = [self.stop.requested, batch is None, batch is not None, past]
+            stop_all, out_any, have_any, past_any = distributed.agree_max(flags)
+            if past_any:
+                self.stop_past_limit(step)
             self.some_have = bool(have_any)
             if not out_any:
                 self.ended_without_step = False
@@ -56,9 +64,19 @@ class Feed:
         # No rank runs out here, so only the stop flags are agreed on, and that all-reduce runs
         # while the step trains: every rank reads the one started a step ago, the same value
         # everywhere, so all still stop at one step (one step after the signal).
-        stop_all = self.pending.result() == [1] if self.pending is not None else False
-        self.pending = distributed.Agreement([int(self.stop.requested)])
-        return stop_all, False
+        stop_all, past_any = self.pending.result() if self.pending is not None else (0, 0)
+        if past_any:
+            self.stop_past_limit(step)
+        self.pending = distributed.Agreement([int(self.stop.requested), int(past)])
+        return bool(stop_all), False
+
+    def stop_past_limit(self, step: int) -> NoReturn:
+        """Collective: some rank lost more than loader.max_bad; every rank stops at this step, and
+        rank 0 says so in one line naming what each such rank lost."""
+        lines = [line for line in distributed.all_gather_object(self.past_limit) if line]
+        if not self.dist.is_main:
+            raise SystemExit(2)
+        raise DataError(f"{' | '.join(lines)}; every rank stops at step {step} (data.max_bad, data.strict)")
 
     def end_epoch_together(self, step: int, batch: dict | None) -> None:
         """Some rank ran out: every rank ends this epoch at this step. An epoch in which no rank

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torchvision
@@ -148,6 +148,23 @@ class Totals:
     sources: list[int] = field(default_factory=list)  # samples trained of each source (data.sources)
 
 
+@dataclass
+class EpochEnd:
+    """What an epoch's end says (Window.end_epoch): its number (None: no batch of it was
+    counted), all ranks' samples of each source, and the samples lost and filled with their
+    first names."""
+
+    SHOWN: ClassVar[int] = 5
+    epoch: int | None
+    sources: list[int]
+    lost: int
+    names: list[str]
+
+    def lost_line(self) -> str:
+        more = ", ..." if len(self.names) > self.SHOWN else ""
+        return f"{self.lost} damaged samples filled by stand-ins ({', '.join(self.names[: self.SHOWN])}{more})"
+
+
 class Window:
     """This rank's training metrics since the last log line, summed on the device to avoid a sync
     per step. ``reduce()`` sums them over the ranks in one all-reduce, adds them to ``totals``,
@@ -162,6 +179,8 @@ class Window:
         self.names = list(sources)
         self.totals = Totals(sources=[0] * len(self.names))
         self.epoch_counts = torch.zeros(len(self.names), dtype=torch.int64)  # this rank's, this epoch
+        self.epoch_lost = 0  # this rank's samples lost (and filled) this epoch
+        self.epoch_names: list[str] = []  # their names (damaged samples, unreadable shards)
         self.epoch: int | None = None  # the epoch those counts are of (its first batch's)
         self._clear()
 
@@ -185,25 +204,36 @@ class Window:
         if "cache" in batch:
             self.cache += batch["cache"]
         self.failed_shards.update(batch.get("bad_shards", ()))
+        if "bad" in batch:
+            self.epoch_lost += int(batch["bad"][:, 0].sum())
+            names = [f"shard {u}" for u in batch.get("bad_shards", ())] + list(batch.get("bad_samples", ()))
+            new = [n for n in names if n not in self.epoch_names]
+            self.epoch_names += new[: EpochEnd.SHOWN + 1 - len(self.epoch_names)]
+        if self.epoch is None:
+            self.epoch = int(batch["id"][0, 0])
         if self.names:
             counts = torch.bincount(batch["source"], minlength=len(self.names))  # on the host, as the loader gives it
             self.sources += counts
             self.epoch_counts += counts
-            if self.epoch is None:
-                self.epoch = int(batch["id"][0, 0])
 
-    def end_epoch(self) -> tuple[int, list[int]] | None:
+    def end_epoch(self) -> EpochEnd:
         """Collective (epoch mode, every rank at the same step): the epoch whose batches were
-        counted since the last call and all ranks' samples of each source in it; None without
-        several data sets or before any batch."""
-        if not self.names:
-            return None
-        counts = self.epoch_counts.to(self.dist.device, copy=True)
+        counted since the last call (None before any batch), all ranks' samples of each source in
+        it, and the samples lost and filled on every rank, with the first few names."""
+        counts = torch.cat([self.epoch_counts, torch.tensor([self.epoch_lost, self.epoch is not None])])
+        counts = counts.to(self.dist.device)
         distributed.all_reduce_sum(counts)
+        *sources, lost, seen = counts.tolist()
+        names = []
+        if lost:  # the same on every rank: each gathers the names
+            for mine in distributed.all_gather_object(self.epoch_names):
+                names += [n for n in mine if n not in names]
         epoch = self.epoch
+        if epoch is None and seen:  # this rank saw no batch; others did: theirs is the epoch
+            epoch = -1
         self.epoch_counts.zero_()
-        self.epoch = None
-        return (epoch, counts.tolist()) if epoch is not None else None
+        self.epoch, self.epoch_lost, self.epoch_names = None, 0, []
+        return EpochEnd(epoch, sources, lost, names)
 
     def add_step(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, wait: float) -> None:
         self.loss += loss.detach().double() * len(labels)

@@ -176,16 +176,20 @@ def report_epoch(run: Run, step: int, whole: bool = True) -> None:
     """Collective (epoch mode, every rank at the same step): the epoch just ended (or, ``whole``
     False, the one under way when the run ends), samples per source in TensorBoard and a line."""
     ended = run.window.end_epoch()
-    if ended is None:
+    if ended.epoch is None:
         return
-    epoch, counts = ended
     note = ""
     if run.resumed_mid_epoch:
         note = f" (counted from the resume at step {run.start})"
         run.resumed_mid_epoch = False
     names = [name for name, _ in run.sources]
-    run.report.scalars(step, {f"data/epoch_source/{name}": n for name, n in zip(names, counts, strict=True)})
-    run.report.line(epoch_line(epoch, step, run.sources, counts, whole, note))
+    counts = ended.sources
+    scalars = {f"data/epoch_source/{name}": n for name, n in zip(names, counts, strict=True)}
+    run.report.scalars(step, scalars | {"data/epoch_lost_samples": ended.lost})
+    if names:
+        run.report.line(epoch_line(ended.epoch, step, run.sources, counts, whole, note))
+    if ended.lost:
+        run.report.line(f"epoch {ended.epoch}{note}: {ended.lost_line()}")
 
 
 def outage_note(timeout_s: float, http_timeout: float, http_retry_s: float, shards: str) -> str | None:

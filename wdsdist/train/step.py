@@ -80,7 +80,7 @@ def gather(run: Run, step: int) -> tuple[list[dict], list[float], bool]:
         faults.hold_for_test(run.dist.rank, step, run.generation.number, lambda: run.stop.requested)
         batch, wait = feed.next()
         watchdog.beat(step, "step")
-        stop, ran_out = feed.agree(batch)
+        stop, ran_out = feed.agree(batch, step)
         stop_all = stop_all or stop
         if ran_out:
             report_epoch(run, step)

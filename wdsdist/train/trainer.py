@@ -178,7 +178,9 @@ def build_loaders(
         train_shards = on_all_ranks(lambda: shards_of("data.train_shards", pinned(d.train_shards, pins), loader_cfg))
 
     def train_loader() -> Loader:
-        loader = Loader(train_shards, loader_cfg, rank=dist.rank, world=dist.world, group=distributed.control_group())
+        # on_limit=mark: past data.max_bad the feed stops every rank at one step (feed.py)
+        group = distributed.control_group()
+        loader = Loader(train_shards, loader_cfg, rank=dist.rank, world=dist.world, group=group, on_limit="mark")
         if ckpt is not None:
             loader.load_state_dict(loader_state_of(ckpt), where=str(resume_path))
             # The position checked against this config now, at start-up, not at the first batch:

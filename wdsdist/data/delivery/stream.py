@@ -236,6 +236,15 @@ class ShardStream(IterableDataset):
         shards = EpochShards(counts, epoch_order(self.blocks[key], self.cfg.seed, epoch))
         return EpochSequence.of(shards.total, self.elastic.get(epoch), order=key), shards
 
+    def worker_runs(self, epoch: int, worker: int, nworkers: int) -> tuple[EpochSequence, Any, list]:
+        """split=samples: the epoch's sequence, where its positions read from (``sequence``), and
+        the runs of positions this worker reads, in order: the one split every reader of the
+        worker's span uses (the stream, and Loader.reads for prediction's filing)."""
+        cfg = self.cfg
+        sequence, where = self.sequence(epoch)
+        layout = Layout(self.world, nworkers, cfg.batch_size, str(cfg.remainder))
+        return sequence, where, sequence.runs(*sequence.span(layout, self.rank, worker))
+
     def _span(self, worker: int, nworkers: int, epoch: int, bad: list) -> Iterator[dict]:
         """split=samples: the raw samples of this worker's span of the epoch's sequence, in order,
         each marked with its tag (its position; plus N for the padding); a position its read did
@@ -243,9 +252,7 @@ class ShardStream(IterableDataset):
         placeholder. Each source is read shard after shard by a reader of its own, so a worker
         holds one shard open per source."""
         cfg = self.cfg
-        sequence, where = self.sequence(epoch)
-        layout = Layout(self.world, nworkers, cfg.batch_size, str(cfg.remainder))
-        runs = sequence.runs(*sequence.span(layout, self.rank, worker))
+        _, where, runs = self.worker_runs(epoch, worker, nworkers)
         sources, pieces = where.reads(runs)
         if sources is not None and cfg.mix == "stratified":
             self._stripe(epoch, sources, whole=epoch not in self.elastic)
@@ -486,9 +493,9 @@ class ShardStream(IterableDataset):
             wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
             prepare = functools.partial(prep, epoch=epoch, worker=worker)
             stand = self._stand(epoch, prepare)
-            for seq, sample, done in warm.run(_prepared(wanted, prepare)):
+            for read_seq, read, done in warm.run(_prepared(wanted, prepare)):
                 seen += 1
-                for (image, label), sample, seq in self._made(seq, sample, done, stand, bad, skipped, epoch):
+                for (image, label), sample, seq in self._made(read_seq, read, done, stand, bad, skipped, epoch):
                     if self.transform is not None:
                         image = transformed(self.transform, image, sample)
                     key = sample["__key__"] if cfg.with_keys else None

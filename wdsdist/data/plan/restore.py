@@ -131,7 +131,7 @@ def restore(
     first = saved.first
     mix, notes = _carried_mix(saved, mix, where)
     _check_data(first, counts, nshards, where)
-    _check_options(saved, cfg, where)
+    notes += _check_options(saved, cfg, where)
     base = Restored(mix=mix, steps=saved.steps, resume_epoch=first.point.epoch, notes=notes)
     layout = Layout(world, cfg.workers, cfg.batch_size, str(cfg.remainder))
     if len(saved.ranks) == world and first.workers == cfg.workers:
@@ -255,17 +255,45 @@ def options_of(cfg: LoaderConfig) -> dict:
         "seed": cfg.seed,
         "dsrepeat": cfg.dsrepeat,
         "cross_shuffle": cfg.cross_shuffle,
+        "recipe": recipe_of(cfg),
     }
 
 
-def _check_options(saved: LoaderState, cfg: LoaderConfig, where: str) -> None:
+RECIPE = ("augment", "augment_n", "augment_m", "random_erase", "size_schedule", "image_size", "crop_scale")
+
+
+def recipe_of(cfg: LoaderConfig) -> str:
+    """The options a training sample's pixels are drawn with, as one string a state records."""
+    return "; ".join(f"{key}={getattr(cfg, key)}" for key in RECIPE)
+
+
+def _recipe_change(then: str, now: str) -> str:
+    """The recipe's options that differ, "key old -> new" each."""
+    old, new = (dict(p.split("=", 1) for p in s.split("; ")) for s in (then, now))
+    return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in new if old.get(k) != new[k])
+
+
+def _check_options(saved: LoaderState, cfg: LoaderConfig, where: str) -> tuple[tuple[int, str], ...]:
+    """Refuse (UserError, one line) options that change what the saved position means; the note
+    for a recipe changed at an epoch's end."""
     first, now = saved.first, options_of(cfg)
     if first.seed is not None and first.seed != cfg.seed:
         raise UserError(
             f"{where} was saved with seed={first.seed}, now {cfg.seed}: keep it (each epoch's order comes from it)"
         )
+    changed = first.recipe is not None and cfg.train and first.recipe != now["recipe"]
+    if changed and saved.in_flight:
+        raise UserError(
+            f"{where} was saved in the middle of epoch {first.point.epoch}, and the recipe changed "
+            f"({_recipe_change(first.recipe, now['recipe'])}): keep it (each sample's pixels are drawn with it), "
+            f"or resume from a checkpoint at an epoch's end"
+        )
     if not saved.in_flight:
-        return
+        if changed:
+            change = _recipe_change(first.recipe, now["recipe"])
+            line = f"the recipe changes from epoch {first.point.epoch} on: {change}"
+            return ((logging.INFO, line),)
+        return ()
     for key, why in IN_FLIGHT.items():
         then = getattr(first, key)
         if then is not None and then != now[key]:

@@ -92,6 +92,7 @@ class RankState:
     stream_seed: int | None = None
     dsrepeat: int | None = None
     cross_shuffle: int | None = None
+    recipe: str | None = None  # the options a training sample's pixels are drawn with (restore.recipe_of)
     shards: int | None = None
     samples: int | None = None
     counts: str | None = None
@@ -110,7 +111,7 @@ class RankState:
         out |= {"point": self.point.state(), "batches": self.batches, "turn": self.turn}
         for key in ("mode", "split", "batch_size", "remainder", "shuffle_buffer", "seed", "dsrepeat", "cross_shuffle"):
             out[key] = getattr(self, key)
-        for key in ("shards", "samples", "counts", "stream_seed"):
+        for key in ("shards", "samples", "counts", "stream_seed", "recipe"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.split == "samples":
@@ -132,7 +133,7 @@ class RankState:
         version = d.get("version", 1)
         if version not in READS:
             raise ValueError(f"rank {d.get('rank')}'s entry has version {version!r}")
-        options = {k: d.get(k) for k in ("mode", "split", "remainder", "counts")}
+        options = {k: d.get(k) for k in ("mode", "split", "remainder", "counts", "recipe")}
         numbers = ("turn", "batch_size", "shuffle_buffer", "seed", "stream_seed", "dsrepeat", "cross_shuffle")
         numbers += ("shards", "samples")
         options |= {k: None if d.get(k) is None else int(d[k]) for k in numbers}

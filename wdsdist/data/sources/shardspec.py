@@ -8,6 +8,9 @@ A spec is one of:
   - the path or URL of an index JSON (``*.json``), which also gives ``nsamples`` per shard;
     relative shard URLs in it are resolved against the index's location. An index is data,
     not configuration: what it may name is checked here, the one place (see ``Access``).
+  - a local folder (``DIR``, as makeshards.py writes one): its one index, else its ``*.tar``
+    files in name order; a folder of several indexes (train and val, say) is refused in one line
+    naming them.
 """
 
 from __future__ import annotations
@@ -279,10 +282,26 @@ def _table(entry: dict) -> bool:
     return isinstance(table, dict) and isinstance(table.get("at"), list)
 
 
+def folder_spec(folder: str) -> str:
+    """A local folder's spec: its one index, else its tar files (see the module)."""
+    names = sorted(os.listdir(folder))
+    indexes = [n for n in names if n.endswith(".index.json")]
+    if len(indexes) > 1:
+        raise UserError(f"{folder} holds {len(indexes)} indexes ({', '.join(indexes)}): name the one to read")
+    if indexes:
+        return os.path.join(folder, indexes[0])
+    tars = [os.path.join(folder, n) for n in names if n.endswith(".tar")]
+    if not tars:
+        raise UserError(f"{folder} holds no index (*.index.json) and no .tar shard")
+    return "::".join(tars)
+
+
 def _expand_one(spec: str, strict: bool, access: Access) -> list[Shard]:
     spec = spec.strip()
     if not spec:
         return []
+    if "://" not in spec and not spec.startswith("pipe:") and os.path.isdir(spec):
+        return [s for part in folder_spec(spec).split("::") for s in _expand_one(part, strict, access)]
     scheme = schemes.of(spec)
     if is_index(spec):
         return read_index_shards(scheme.pin(spec, access), access)
