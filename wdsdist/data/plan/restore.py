@@ -301,6 +301,7 @@ def _check_options(saved: LoaderState, cfg: LoaderConfig, where: str) -> tuple[t
                 f"{where} was saved in the middle of epoch {first.point.epoch} with {key}={then}, now {now[key]}: "
                 f"keep it ({why}), or resume from a checkpoint at an epoch's end"
             )
+    return ()
 
 
 def _check_data(first: RankState, counts: Sequence[int] | None, nshards: int, where: str) -> None:
