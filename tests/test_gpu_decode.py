@@ -87,7 +87,8 @@ def mixed_shards(root: Path) -> str:
 
 
 def batches(index: str, decode: str, n: int | None = None, state: dict | None = None, **kw) -> list[dict]:
-    options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "image_key": "jpg;png"}
+    # max_bad: the mixed shards' damaged samples are the point, not the limit
+    options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "image_key": "jpg;png", "max_bad": 1.0}
     cfg = LoaderConfig(**(options | kw), decode=decode)
     loader = Loader(index, cfg, rank=0, world=1)
     if state is not None:
@@ -169,7 +170,7 @@ def test_a_run_on_the_gpu_path_resumes_exactly_and_as_the_cpu_path_does(tmp_path
     assert_same_batches(batches(index, "cpu", state=state), rest)
 
 
-def test_a_jpeg_no_decoder_takes_is_left_out_of_its_batch_and_counted():
+def test_a_jpeg_no_decoder_takes_is_filled_from_the_next_good_row_and_counted():
     good = encode(90, 70, 1)
     bad = bytearray(good)
     bad[bad.find(b"\xff\xc0") + 12] = 3  # its first component's quantization table: none such
@@ -188,12 +189,13 @@ def test_a_jpeg_no_decoder_takes_is_left_out_of_its_batch_and_counted():
     decoder = BatchDecoder(16, torch.device("cpu"))
     made = decoder.decode(batch)
     assert made["failed"] == [1] and len(made["label"]) == 4  # the caller counts every row consumed first
-    out = decoder.hand_over(made)
-    assert out["label"].tolist() == [0, 2, 3] and out["key"] == ["a", "c", "d"]
-    assert out["id"].tolist() == [[0, 1, 2], [6, 7, 8], [9, 10, 11]]
-    # the row left out: one skipped sample more, with the two skipped before it, on the next row kept
-    assert out["bad"].tolist() == [[0, 0], [3, 1], [0, 0]]
-    assert torch.equal(out["image"][1], png)  # the worker's own decode, in its row
+    out = decoder.hand_over(made, total_of=lambda epoch: 100)
+    # the row stays, filled from the next good row (its image, label and key), marked as padding
+    assert out["label"].tolist() == [0, 2, 2, 3] and out["key"] == ["a", "c", "c", "d"]
+    assert out["id"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # its own id: consumed
+    assert out["pos"].tolist() == [0, 102, 2, 3] and out["bad_samples"] == ["b"]
+    assert out["bad"].tolist() == [[0, 0], [3, 0], [0, 1], [0, 0]]  # its loss counted on its own row
+    assert torch.equal(out["image"][1], png) and torch.equal(out["image"][2], png)  # the worker's own decode
     assert dict(decoder.counts) == {"gpu": 2, "cpu": 1, "failed": 1}
 
 
@@ -268,7 +270,7 @@ def test_three_decode_threads_give_the_cpu_paths_batches_and_add_up_their_counts
     index = mixed_shards(tmp_path / "s")
 
     def epoch(**kw) -> tuple[list[dict], Loader]:
-        cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, mode="epoch", **kw)
+        cfg = LoaderConfig(batch_size=8, workers=2, image_size=32, mode="epoch", max_bad=1.0, **kw)
         loader = Loader(index, cfg, rank=0, world=1)
         torch.manual_seed(0)
         return list(loader), loader
@@ -292,7 +294,7 @@ def test_a_share_decoded_in_the_workers_gives_the_cpu_paths_batches_the_same_jpe
     index = mixed_shards(tmp_path / "s")
 
     def epoch(share: float, decode: str = "gpu", **kw) -> tuple[list[dict], collections.Counter]:
-        options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "train": train}
+        options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "train": train, "max_bad": 1.0}
         options["decode_region"] = region  # off: the workers crop from torchvision's whole decode
         cfg = LoaderConfig(**options, decode=decode, gpu_decode_share=share, **kw)
         loader = Loader(index, cfg, rank=0, world=1)
