@@ -151,6 +151,15 @@ def bad_shards(folder: Path) -> Path:
     return index
 
 
+def test_two_ranks_decode_only_what_they_score_and_warn_a_corrupt_sample_once(data, tmp_path):
+    index = bad_shards(tmp_path / "bad")
+    spec = str(index.parent / "b-{000000..000002}.tar")  # the three shards that exist
+    proc = predict(str(data["model"]), spec, "--out-dir", str(tmp_path / "out"), "--batch-size", "4", ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("k0006") == 1  # each rank reads its own span only: no padding decoded
+    assert "predict: 11 images, 1 skipped" in proc.stderr
+
+
 def test_a_corrupt_sample_is_named_and_counted_and_a_missing_shards_part_waits_for_the_next_run(data, tmp_path):
     index = bad_shards(tmp_path / "bad")
     out = tmp_path / "out"
@@ -171,7 +180,7 @@ def test_a_corrupt_sample_is_named_and_counted_and_a_missing_shards_part_waits_f
     assert "k0006" in first.stderr and not (tmp_path / "all.jsonl").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["parts"]) == ["b-000000", "b-000001", "b-000002"]
-    assert manifest["parts"]["b-000001"]["skipped"] == [f"{index.parent / 'b-000001.tar'} sample 2"]
+    assert manifest["parts"]["b-000001"]["skipped"] == [f"{index.parent / 'b-000001.tar'}#k0006"]  # by its key
     with wds.TarWriter(str(index.parent / "b-000003.tar")) as sink:  # the shard comes back
         for n in (12, 13):
             sink.write({"__key__": f"k{n:04d}", "jpg": jpeg(n, 16)[0], "cls": "1"})

@@ -200,7 +200,9 @@ class LoaderConfig(SampleOptions, StreamOptions):
     train: bool = True
     """Training images: RandomResizedCrop and a flip; False: resize and centre crop."""
     partial: bool = False
-    """Keep a last, partial batch (split=shards)."""
+    """Keep a last, partial batch; ranks may then differ in batches, so a lost sample is skipped,
+    not filled, and under split=samples the padding is not read (every sample once, as
+    prediction reads a data set)."""
     pin_memory: bool = False
     """Batches in pinned memory, for a faster non-blocking copy to the GPU."""
     reuse_buffers: bool = True

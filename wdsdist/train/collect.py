@@ -68,6 +68,7 @@ class Collector:
                 p.first, p.stop = min(p.first, first), max(p.stop, first + stop - pos)
                 p.open += 1
         self.failed: set[int] = set()  # units whose shard failed to read: not written
+        self.damaged: dict[int, list[str]] = {}  # unit -> the keys of its samples that could not be decoded
         self.scored = self.skipped = self.written = 0
 
     def locate(self, worker: int, pos: int) -> tuple[int, int]:
@@ -90,6 +91,10 @@ class Collector:
     def fail(self, unit: int) -> None:
         self.failed.add(unit)
 
+    def damage(self, unit: int, key: str) -> None:
+        """A sample of ``unit`` that could not be decoded: the manifest names it by its key."""
+        self.damaged.setdefault(unit, []).append(key)
+
     def finish(self) -> None:
         """The stream ended: every run still open is settled (its missing samples skipped)."""
         for worker, runs in enumerate(self.reads):
@@ -107,7 +112,12 @@ class Collector:
         unit = self.units[index]
         p.rows.sort()
         got = {offset for offset, _ in p.rows}
-        skipped = [self.sample_name(index, o) for o in range(p.first, p.stop) if o not in got]
+        missing = [o for o in range(p.first, p.stop) if o not in got]
+        keys = self.damaged.pop(index, [])
+        if len(keys) == len(missing):  # each one named by its key (a shard cut short names positions)
+            skipped = [f"{unit.source}#{key}" for key in keys]
+        else:
+            skipped = [self.sample_name(index, o) for o in missing]
         self.skipped += len(skipped)
         if index in self.failed:
             log.warning("%s: not read whole; its part is left for the next run", unit.source)

@@ -182,10 +182,14 @@ def open_manifest(out_dir: str, identity: dict[str, Any], where: str) -> dict:
     for key, value in identity.items():
         if manifest.get(key) != value:
             raise UserError(
-                f"{where}: {out_dir} holds predictions of another {key} ({differs(manifest.get(key), value)}); "
+                f"{where}: {out_dir} holds predictions made with {OTHER.get(key, f'another {key}')} "
+                f"({differs(manifest.get(key), value)}); "
                 "nothing was written: use another --out-dir, or the same model and options"
             )
     return manifest
+
+
+OTHER = {"model": "another model", "spec": "another spec", "options": "other options"}
 
 
 def differs(was: Any, now: Any) -> str:

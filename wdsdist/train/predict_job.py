@@ -256,6 +256,12 @@ def file_batch(batch: Batch, collector: Collector, scorer: Scorer, name: Any, by
     for url in batch.bad_shards:
         if url in by_url:
             collector.fail(by_url[url])
+    for damaged in batch.bad_samples:
+        url, key = damaged.rsplit(" ", 1)
+        if url in by_url:
+            collector.damage(by_url[url], key)
+    if not batch.names:
+        return
     tops, feats = scorer(batch.images)
     for j, (worker, pos, key) in enumerate(zip(batch.workers, batch.positions, batch.names, strict=True)):
         unit, offset = collector.locate(worker, pos)

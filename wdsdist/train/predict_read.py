@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -34,6 +34,7 @@ class Batch:
     positions: list[int]
     names: list[str]
     bad_shards: list[str]
+    bad_samples: list[str] = field(default_factory=list)  # damaged samples read before these: "URL KEY"
 
 
 def is_shards(item: str) -> bool:
@@ -96,7 +97,7 @@ def _shard_batches(loader: Loader, total: int) -> Iterator[Batch]:
     """The loader's batches less its padding (positions past ``total``), before any is scored."""
     for b in loader:
         keep = [i for i, p in enumerate(b["pos"].tolist()) if p < total]
-        if not keep:
+        if not keep and not b.get("bad_samples"):
             continue
         images = b["image"] if len(keep) == len(b["key"]) else b["image"][keep]
         workers = b["id"][:, 1].tolist()
@@ -107,6 +108,7 @@ def _shard_batches(loader: Loader, total: int) -> Iterator[Batch]:
             [positions[i] for i in keep],
             [b["key"][i] for i in keep],
             list(b.get("bad_shards") or []),
+            list(b.get("bad_samples") or []),
         )
 
 

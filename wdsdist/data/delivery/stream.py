@@ -252,7 +252,9 @@ class ShardStream(IterableDataset):
         placeholder. Each source is read shard after shard by a reader of its own, so a worker
         holds one shard open per source."""
         cfg = self.cfg
-        _, where, runs = self.worker_runs(epoch, worker, nworkers)
+        sequence, where, runs = self.worker_runs(epoch, worker, nworkers)
+        if cfg.partial:  # batches may be short: no padding to read (nor to decode and drop)
+            runs = [run for run in runs if run[2] < sequence.total]
         sources, pieces = where.reads(runs)
         if sources is not None and cfg.mix == "stratified":
             self._stripe(epoch, sources, whole=epoch not in self.elastic)
