@@ -4,6 +4,7 @@ stops every rank at one step, with one line naming it (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT, run_script
 from tests.helpers.damaged import DAMAGED, PER_SHARD, TOTAL, damage, positions, unreadable, write_digits
-from tests.helpers.training import SMALL_MODEL, ranks
+from tests.helpers.training import SMALL_MODEL, free_port, ranks
 
 pytestmark = pytest.mark.slow  # real training processes
 
@@ -70,3 +72,44 @@ def test_an_unreadable_shard_past_max_bad_stops_every_rank_at_one_step_naming_it
     assert len(steps[0]) == len(steps[1]) < TOTAL // (2 * BATCH)  # both ranks stopped at one step, early
     assert f"every rank stops at step {len(steps[0])}" in lines[0]
     assert PER_SHARD  # the shard is a tenth of the data: past the 1 % default on the rank that reads it
+
+
+def example(script: str, spec: str, tmp: Path, world: int, *extra: str) -> dict[int, list]:
+    """An example's ranks (forked, torchrun's environment) on the damaged digits, one epoch; each
+    rank's trace. Its ResNet-18 is a one-convolution net (tests/helpers/small_model.py)."""
+    proc = run_script(
+        str(ROOT / "tests" / "helpers" / "small_model.py"), str(ROOT / "examples" / script), spec,
+        "--epochs=1", "--image-size=16", "--workers=1", f"--trace={tmp / 'trace'}", *extra, cwd=tmp,
+        env={"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+        ranks=world, preload=("pytorch_lightning",) if script.startswith("lightning") else (),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    suffix = "json" if script.startswith("lightning") else "jsonl"
+    files = {r: (tmp / f"trace.{r}.{suffix}").read_text() for r in range(world)}
+    if suffix == "json":
+        return {r: json.loads(text) for r, text in files.items()}
+    return {r: [json.loads(line) for line in text.splitlines()] for r, text in files.items()}
+
+
+def good_positions(lost: set[int]) -> list[int]:
+    at = positions(SEED, 0)
+    return sorted(at[n] for n in range(TOTAL) if n not in lost)
+
+
+def test_the_ddp_loop_example_finishes_on_damaged_shards_with_every_good_sample(digits, tmp_path):
+    traces = example("ddp_loop.py", digits["bad"], tmp_path, 3, "--batch-size=10", f"--ckpt={tmp_path / 'c.pt'}")
+    assert {e["batches"] for r in range(3) for e in traces[r]} == {48}  # len(), the clean run's
+    assert [len(e["pos"]) for r in range(3) for e in traces[r]] == [480] * 3  # 48 batches of 10 each: none hung
+    seen = [p for r in range(3) for e in traces[r] for p in e["pos"] if p < TOTAL]
+    assert sorted(seen) == good_positions(digits["lost"])
+
+
+def test_the_lightning_module_finishes_on_damaged_shards_with_every_good_sample(digits, tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    traces = example(
+        "lightning_train.py", digits["bad"], tmp_path, 2, "--accelerator=cpu", "--devices=2", "--batch-size=32",
+        "--schedule=constant", f"--ckpt-dir={tmp_path / 'ckpt'}",
+    )  # fmt: skip
+    assert len(traces[0]) == len(traces[1]) == -(-TOTAL // 64)
+    seen = [p for r in range(2) for e in traces[r] for p in e["pos"] if p < TOTAL]
+    assert sorted(seen) == good_positions(digits["lost"])
