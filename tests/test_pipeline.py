@@ -12,7 +12,7 @@ from PIL import Image
 
 from tests.conftest import jpeg
 from wdsdist.data.delivery.pipeline import RankLoader, check_layout, make_eval_loader, make_loader
-from wdsdist.data.delivery.stream import _primed
+from wdsdist.data.delivery.steps import primed as _primed
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.order import shard_order
 from wdsdist.data.plan.resume import ResumePoint

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from wdsdist.data.delivery.steps import POSITION
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan import seeds
 from wdsdist.data.sources.shardspec import Shard
@@ -71,7 +72,7 @@ class PositionStand:
             try:
                 sample = read_late(next(read_span(shard, first, first + 1, cfg.access, cfg.wanted_suffixes,
                                                   cfg.max_member_bytes)))  # fmt: skip
-                sample["__pos__"] = total + q
+                sample[POSITION] = total + q
                 return made(self.prepare(sample, seq=seq, pos=total + q)), sample
             except (DataError, StopIteration):
                 q = (q + 1) % total

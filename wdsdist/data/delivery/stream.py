@@ -22,16 +22,18 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from wdsdist.data.delivery import steps
 from wdsdist.data.delivery.batches import batched, collate
 from wdsdist.data.delivery.fill import LastGood, PositionStand, lost_name
 from wdsdist.data.delivery.prep import SamplePrep
 from wdsdist.data.delivery.sharedbatches import SharedBatches
+from wdsdist.data.delivery.steps import FAILED, POSITION
 from wdsdist.data.delivery.stratified import quotas, stratified
 from wdsdist.data.delivery.warmstart import WarmStart, threads_for
 from wdsdist.data.delivery.workers import pin_malloc_threshold, warn_skip
@@ -48,90 +50,15 @@ from wdsdist.data.sources.opener import open_shard
 from wdsdist.data.sources.retry import StoreDown, describe
 from wdsdist.data.sources.shardspec import Shard
 from wdsdist.data.sources.spanread import part_span, read_span
-from wdsdist.data.tar.lateread import read_late
 from wdsdist.data.tar.tarread import tar_samples
 from wdsdist.errors import DataError
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-POSITION = "__pos__"  # a raw sample's position in the epoch's sample sequence (split=samples)
-# split=samples: a position of the span that no sample came for (its shard failed or came short).
-# It keeps its place in the worker's stream, so the stream's length and its shuffle stay the ones a
-# resume replays (order.shuffled_offsets); it is never decoded, and counts as skipped.
-FAILED = "__failed__"
-
-
-def _primed(rows: Iterator[T]) -> Iterator[T]:
-    """``rows`` with its first row made now. A DataLoader worker calls ``iter()`` as soon as it
-    starts, then waits until every other worker has started and it is asked for a batch: the
-    first row (its shard opened, the shuffle buffer's first fill read, one sample decoded) is
-    made in that wait instead of after it. An error it meets is raised when the first batch is
-    asked for, as before: the DataLoader catches one raised by ``iter()`` only when a worker
-    starts, not when a persistent worker begins its next epoch."""
-    try:
-        first = next(rows)
-    except StopIteration:
-        return iter(())
-    except Exception as exc:  # noqa: BLE001 (raised again, unchanged, at the first batch)
-        return _raise_later(exc)
-    return itertools.chain((first,), rows)
-
-
-def _opening(samples: Iterator[T], opened: Callable[[], None]) -> Iterator[T]:
-    """``samples``, calling ``opened()`` once the first has come, or the read has ended or failed."""
-    try:
-        first = next(samples)
-    except StopIteration:
-        return
-    finally:
-        opened()
-    yield first
-    yield from samples
-
 
 def _whole(piece: Piece) -> None:
     """A piece of a mix's source: its shard's cache entry is the whole shard."""
     return None
-
-
-def _raise_later(exc: Exception) -> Iterator:
-    raise exc
-    yield  # a generator: the raise waits for the first next()
-
-
-def _wanted(samples: Iterable[dict], start: int, skip: frozenset, passed: list) -> Iterator[tuple[int, dict]]:
-    """(seq, sample) of an epoch's stream, less those a resumed worker had delivered: seqs below
-    ``start``, in ``skip``, or in a run of ``passed`` (consumed runs still ahead, the next one last)."""
-    for seq, sample in enumerate(samples):
-        while passed and passed[-1][1] <= seq:
-            passed.pop()
-        if seq < start or seq in skip or passed and passed[-1][0] <= seq:
-            continue
-        yield seq, sample
-
-
-def _prepared(wanted: Iterable[tuple[int, dict]], prepare: Callable) -> Iterator[tuple]:
-    """(seq, sample, prepared): what prepare_sample returned or the DataError it raised, in the
-    stream's order (it makes the random draws: prep.SamplePrep); FAILED for a placeholder. The
-    sample comes with its late members read (a stand-in may be made of it: fill.LastGood)."""
-    for seq, sample in wanted:
-        if FAILED in sample:
-            yield seq, sample, FAILED
-            continue
-        try:
-            yield seq, sample, prepare(read_late(sample), seq=seq, pos=sample.get(POSITION, -1))
-        except DataError as error:
-            yield seq, sample, error
-
-
-def _skip(skipped: list[list[int]], epoch: int, seq: int) -> None:
-    """Add a skipped seq to the [epoch, first, stop] runs skipped since the last row: every seq
-    between it and the last run's end of the same epoch was passed over (consumed already)."""
-    if skipped and skipped[-1][0] == epoch:
-        skipped[-1][2] = seq + 1
-    else:
-        skipped.append([epoch, seq, seq + 1])
 
 
 def transformed(transform: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor, sample: dict):
@@ -204,6 +131,7 @@ class ShardStream(IterableDataset):
         self.fills = not cfg.partial and cfg.mode != "resampled"
         self.counts = {s.url: s.nsamples for s in self.all_shards}  # split=shards: the placeholders' count
         self.failed: set[str] = set()  # in each worker: shards whose read failed (no stand-in is sought there)
+        self.last_failure = ""  # in each worker: the last shard read that failed, as warned
 
     def mix_epoch(self, epoch: int) -> MixEpoch:
         """The mix's epoch ``epoch`` (kept while it is the one read)."""
@@ -363,7 +291,7 @@ class ShardStream(IterableDataset):
         if self.cfg.trace:
             log.debug("rank %d worker %d open  %s", self.rank, worker, url)
         try:
-            yield from _opening(read(), opened)
+            yield from steps.opening(read(), opened)
         except StoreDown as exc:
             # Not a bad shard: every shard on that server would fail alike, each after the whole
             # wait. The run ends with one line naming the server, strict or not.
@@ -376,6 +304,7 @@ class ShardStream(IterableDataset):
             bad[1] += 1
             bad.append(url)
             self.failed.add(url)
+            self.last_failure = str(error)
         if self.cfg.trace:
             log.debug("rank %d worker %d close %s", self.rank, worker, url)
 
@@ -411,7 +340,7 @@ class ShardStream(IterableDataset):
             warm.ahead(functools.partial(shared.populate, physical))  # the first batch's buffer, while it decodes
         rows = self._rows(worker, nworkers, skips, prep, runs, warm)
         if info is not None:
-            rows = _primed(rows)
+            rows = steps.primed(rows)
         if self.mix is not None and cfg.mix == "stratified":
             made = {epoch: (start + len(skip)) // cfg.batch_size for epoch, (start, skip) in skips.items()}
             cap = 4 * cfg.batch_size + cfg.shuffle_buffer
@@ -447,7 +376,7 @@ class ShardStream(IterableDataset):
                 warn_skip(done)
                 bad.append((lost_name(sample),))
         if stand is None:
-            _skip(skipped, epoch, seq)
+            steps.skip(skipped, epoch, seq)
         elif isinstance(stand, PositionStand):
             made, stood = stand(seq, tag % stand.total, self.failed)
             yield made, stood, seq
@@ -492,10 +421,10 @@ class ShardStream(IterableDataset):
             start, skip = skips.get(epoch, (0, frozenset()))
             passed = list(runs.get(epoch, ()))[::-1]  # consumed runs still ahead, the next one last
             produced = seen = 0
-            wanted = _wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
+            wanted = steps.wanted(self._samples(worker, nworkers, epoch, bad), start, skip, passed)
             prepare = functools.partial(prep, epoch=epoch, worker=worker)
             stand = self._stand(epoch, prepare)
-            for read_seq, read, done in warm.run(_prepared(wanted, prepare)):
+            for read_seq, read, done in warm.run(steps.prepared(wanted, prepare)):
                 seen += 1
                 for (image, label), sample, seq in self._made(read_seq, read, done, stand, bad, skipped, epoch):
                     if self.transform is not None:
@@ -511,9 +440,9 @@ class ShardStream(IterableDataset):
             # Placeholders are not samples read; an empty span (a resumed epoch's) reads none.
             if not produced and start == 0 and not skip and not runs.get(epoch) and (seen or not cfg.by_samples):
                 # Never a silent empty rank: every shard of this worker failed.
+                last = f"; the last: {self.last_failure}" if self.last_failure else "; see the warnings above"
                 raise DataError(
-                    f"rank {self.rank} worker {worker} read no sample from its shards "
-                    f"(epoch {epoch}); see the warnings above"
+                    f"rank {self.rank} worker {worker} read no sample from its shards (epoch {epoch}){last}"
                 )
             if cfg.mode == "epoch" or cfg.rebatch:
                 # With the cross-worker shuffle each epoch stays one DataLoader iteration, so
