@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from wdsdist.data import Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
 from wdsdist.data.plan.order import shard_order, shuffled_offsets
@@ -17,7 +18,7 @@ from wdsdist.data.plan.resume import ConsumedTracker, ResumePoint, saved_progres
 from wdsdist.data.plan.sequence import EpochSequence
 from wdsdist.data.plan.splits import Layout
 from wdsdist.data.sources import shardspec
-from wdsdist.errors import UserError
+from wdsdist.errors import DataError, UserError
 
 CLAIMED = 200_000  # what the index says the middle shard holds; it holds 10
 
@@ -42,9 +43,11 @@ def test_a_shard_short_of_its_claimed_count_costs_a_row_one_run_and_the_state_a_
     tiny_shards, capfd, workers, cross, at
 ):
     shards = overclaimed(tiny_shards)
+    # partial: a loader whose losses are skipped, not filled (prediction's); a training loader fills
+    # them, and past max_bad stops (test_a_training_loader_stops_at_max_bad_on_an_overclaimed_shard)
     c = LoaderConfig(
         batch_size=3, workers=workers, mode="epoch", split="samples", image_size=8, with_keys=True,
-        shuffle_buffer=4, seed=1, cross_shuffle=cross,
+        shuffle_buffer=4, seed=1, cross_shuffle=cross, partial=True,
     )  # fmt: skip
     loader = make_loader(shards, 0, 1, c)
     before = list(itertools.islice(iter(loader), at))
@@ -161,3 +164,15 @@ def test_a_claim_beyond_the_cap_is_refused_where_the_size_is_unknown(tmp_path, u
         f"{index}: shardlist[0]: {url!r}: nsamples {cap + 1} is more than the {cap} samples a shard may claim "
         f"(a corrupt or hostile index?)"
     )
+
+
+def test_a_training_loader_stops_at_max_bad_on_an_overclaimed_shard(tiny_shards):
+    """Its stand-ins fill the positions the shard lacks until they pass max_bad: then the rank
+    stops, naming the shard, long before it reads 200,000 stand-ins."""
+    c = LoaderConfig(batch_size=8, workers=0, mode="epoch", split="samples", image_size=8, seed=1, max_bad=0.0005)
+    loader = Loader(overclaimed(tiny_shards), c, rank=0, world=1)
+    delivered = 0
+    with pytest.raises(DataError, match=r"samples lost, past max_bad=0.0005 of its \d+ samples: shard .*-000001\.tar"):
+        for _ in loader:
+            delivered += 1
+    assert delivered < 20  # about 100 stand-ins: the limit, not the claim

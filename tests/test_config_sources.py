@@ -49,6 +49,7 @@ CHANGED = {
     "crop_scale": [0.5, 0.9],
     "num_classes": 7,
     "strict": True,
+    "max_bad": 0.25,
     "allow_pipe": True,
     "trust_index": True,
     "max_pixels": 1234,

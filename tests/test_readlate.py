@@ -165,7 +165,7 @@ def test_a_shard_shortened_while_its_samples_wait_costs_those_samples_not_the_ru
     batches += list(it)
     delivered = sum(len(b["label"]) for b in batches)
     bad = sum(int(b["bad"][:, 0].sum()) for b in batches)
-    assert 8 <= delivered < 120 and bad > 0
+    assert delivered == 120 and 0 < bad < 120  # the plan's count: each lost sample's row a stand-in
     lines = [ln for ln in capfd.readouterr().err.splitlines() if "cannot read its jpg" in ln]
     line = re.compile(r"warning: skipped: \S*w-000000\.tar: sample 's\d{6}': cannot read its jpg: \d+ bytes at byte")
     assert lines and all(line.match(ln) for ln in lines)

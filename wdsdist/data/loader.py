@@ -62,7 +62,8 @@ class Loader:
     (int64, N), ``id`` (int64, N x 3: epoch, worker, position in the worker's stream), ``pos``
     (int64, N: the position in the epoch's sample sequence with ``split=samples``, else -1),
     ``bad`` (int64, N x 2: the samples lost and shard reads failed before each row; a stand-in's
-    row counts its own loss), ``bad_shards`` and ``bad_samples`` (their names) and ``cache`` (int64, one per count: what
+    row counts its own loss), ``bad_shards`` and ``bad_samples`` (their names), ``bad_errors`` (why
+    each sample could not be used) and ``cache`` (int64, one per count: what
     the node cache, ``config.cache_dir``, did in the worker that made the batch since its previous
     one, named by ``CACHE_COUNTS``; sum them over batches, and over ranks, for a total). Convert
     and normalise on the device; the loader never makes float batches.

@@ -329,6 +329,8 @@ def fill_rows(batch: dict, rows: list[int], total: int | None = None) -> None:
         pos = int(batch["pos"][twin])
         batch["pos"][row] = pos + total if total is not None and 0 <= pos < total else pos
         if isinstance(batch.get("key"), list):
-            batch.setdefault("bad_samples", []).append(str(batch["key"][row]))
+            name = str(batch["key"][row])
+            batch.setdefault("bad_samples", []).append(name)
+            batch.setdefault("bad_errors", []).append(f"sample {name!r}: no decoder could make it (decode=gpu)")
             batch["key"][row] = batch["key"][twin]
     batch["bad"] = bad

@@ -64,14 +64,21 @@ def opened(gate: Any | None) -> None:
         gate.set()
 
 
-def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str], list[str]]:
+def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str], list[tuple[str, str]]]:
     """Rows' loss records (samples lost, shard reads failed, then the URL of each shard read that
-    failed and, as 1-tuples, the name of each damaged sample) -> a [b, 2] count tensor, the
+    failed and, as pairs, each damaged sample's name and why) -> a [b, 2] count tensor, the
     failed URLs (a shard that fails on every pass is one bad shard, read many times) and the
-    damaged samples' names ("URL KEY")."""
+    damaged samples' ("URL KEY", the warning's text)."""
     names = [x for b in bad for x in b[2:]]
     urls = [x for x in names if isinstance(x, str)]
-    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), urls, [x[0] for x in names if isinstance(x, tuple)]
+    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), urls, [tuple(x) for x in names if not isinstance(x, str)]
+
+
+def with_losses(batch: dict, bad: Sequence[Sequence]) -> None:
+    """A finished batch's loss fields: ``bad`` [b, 2], ``bad_shards`` (URLs), ``bad_samples``
+    (the damaged samples' "URL KEY") and ``bad_errors`` (why each could not be used)."""
+    batch["bad"], batch["bad_shards"], damaged = bad_counts(bad)
+    batch["bad_samples"], batch["bad_errors"] = [n for n, _ in damaged], [e for _, e in damaged]
 
 
 def finish_batches(
@@ -91,9 +98,7 @@ def finish_batches(
             batch["image"] = pin(batch["image"])
         batch["label"] = torch.tensor(batch["label"], dtype=torch.int64)
         batch["id"], batch["pos"] = split_ids(batch["id"])
-        # bad: [b, 2], the samples lost and shard reads failed before each row; bad_shards: their
-        # URLs; bad_samples: the damaged samples' names
-        batch["bad"], batch["bad_shards"], batch["bad_samples"] = bad_counts(batch["bad"])
+        with_losses(batch, batch["bad"])
         batch["cache"] = torch.tensor(batch.get("cache", NO_COUNTS), dtype=torch.int64)
         opened(gate)
         yield batch
@@ -153,7 +158,7 @@ def collate_samples(rows: list[dict], pin_memory: bool = False) -> dict[str, Any
         "skipped": [r["skipped"] for r in rows],
         "cache": torch.tensor([r.get("cache", NO_COUNTS) for r in rows], dtype=torch.int64).sum(0),
     }
-    batch["bad"], batch["bad_shards"], batch["bad_samples"] = bad_counts([r["bad"] for r in rows])
+    with_losses(batch, [r["bad"] for r in rows])
     if rows[0]["key"] is not None:
         batch["key"] = [r["key"] for r in rows]
     return batch

@@ -131,7 +131,7 @@ class LossLimit:
         lost, names = self.epochs.get(epoch, (0, []))
         lost += int(bad[:, 0].sum())
         names += [f"shard {u} unreadable" for u in batch.get("bad_shards", ()) if f"shard {u} unreadable" not in names]
-        names += batch.get("bad_samples", [])
+        names += batch.get("bad_errors", [])
         self.epochs = {e: v for e, v in self.epochs.items() if e >= epoch - 2} | {epoch: (lost, names)}
         if self.allowed is None or lost <= self.allowed:
             return None

@@ -131,7 +131,7 @@ class ShardStream(IterableDataset):
         self.fills = not cfg.partial and cfg.mode != "resampled"
         self.counts = {s.url: s.nsamples for s in self.all_shards}  # split=shards: the placeholders' count
         self.failed: set[str] = set()  # in each worker: shards whose read failed (no stand-in is sought there)
-        self.last_failure = ""  # in each worker: the last shard read that failed, as warned
+        self.last_failure = ""  # in each worker: the last shard read or sample that failed, as warned
 
     def mix_epoch(self, epoch: int) -> MixEpoch:
         """The mix's epoch ``epoch`` (kept while it is the one read)."""
@@ -374,7 +374,8 @@ class ShardStream(IterableDataset):
                 if self.cfg.strict and stand is None:
                     raise done
                 warn_skip(done)
-                bad.append((lost_name(sample),))
+                bad.append((lost_name(sample), str(done)))
+                self.last_failure = str(done)
         if stand is None:
             steps.skip(skipped, epoch, seq)
         elif isinstance(stand, PositionStand):
