@@ -71,7 +71,8 @@ def test_reads_names_what_each_worker_reads(index):
                     named |= {(worker, p): f"s{keys[shard] + first + p - pos:07d}" for p in range(pos, stop)}
             got = {}
             for batch in loader:
-                for key, pos, worker in zip(batch["key"], batch["pos"].tolist(), batch["id"][:, 1].tolist(), strict=True):
+                rows = zip(batch["key"], batch["pos"].tolist(), batch["id"][:, 1].tolist(), strict=True)
+                for key, pos, worker in rows:
                     if pos < sum(COUNTS):
                         got[(worker, pos)] = key
             assert got == named, (world, workers, rank)

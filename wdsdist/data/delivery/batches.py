@@ -71,7 +71,8 @@ def bad_counts(bad: Sequence[Sequence]) -> tuple[torch.Tensor, list[str], list[t
     damaged samples' ("URL KEY", the warning's text)."""
     names = [x for b in bad for x in b[2:]]
     urls = [x for x in names if isinstance(x, str)]
-    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), urls, [tuple(x) for x in names if not isinstance(x, str)]
+    damaged = [tuple(x) for x in names if not isinstance(x, str)]
+    return torch.tensor([b[:2] for b in bad], dtype=torch.int64), urls, damaged
 
 
 def with_losses(batch: dict, bad: Sequence[Sequence]) -> None:
