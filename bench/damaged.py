@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 
-from tests.helpers.damaged import DAMAGED, PER_SHARD, TOTAL, damage, write_digits  # noqa: E402
-from wdsdist.data import Loader, LoaderConfig  # noqa: E402
+from tests.helpers.damaged import DAMAGED, PER_SHARD, TOTAL, damage, one_epoch, write_digits  # noqa: E402
+from wdsdist.data import LoaderConfig  # noqa: E402
 
 # (split, ranks, workers, batch): the layouts of the report that asked for it
 LAYOUTS = [
@@ -33,29 +33,14 @@ LAYOUTS = [
 ]  # fmt: skip
 
 
-def one_epoch(spec: str, split: str, world: int, workers: int, batch: int) -> dict:
-    """Every rank's epoch: batches and len() per rank, the keys of the rows that are neither
-    padding nor stand-ins, and the losses counted."""
+def config(split: str, workers: int, batch: int) -> LoaderConfig:
     options = dict(
         batch_size=batch, workers=workers, mode="epoch", split=split, image_size=16, with_keys=True,
         nbatches="auto" if split == "shards" else None,
     )  # fmt: skip
     if "max_bad" in LoaderConfig.__dataclass_fields__:  # the limit is not the point here
         options["max_bad"] = 1.0
-    cfg = LoaderConfig(**options)
-    out: dict = {"batches": [], "len": [], "keys": [], "lost": 0}
-    for rank in range(world):
-        loader = Loader(spec, cfg, rank=rank, world=world)
-        out["len"].append(len(loader))
-        n = 0
-        for b in loader:
-            n += 1
-            lost = b["bad"][:, 0] > 0 if "bad_samples" in b else b["bad"][:, 0] < 0  # stand-ins (none before)
-            real = (b["pos"] < TOTAL) if split == "samples" else b["pos"] < 0
-            out["keys"] += [int(k) for k, keep in zip(b["key"], (real & ~lost).tolist(), strict=True) if keep]
-            out["lost"] += int(b["bad"][:, 0].sum())
-        out["batches"].append(n)
-    return out
+    return LoaderConfig(**options)
 
 
 def main() -> int:
@@ -74,13 +59,14 @@ def main() -> int:
               "| damaged delivered | losses counted |")  # fmt: skip
         print("|---|---|---|---|---|---|")
         for split, world, workers, batch in LAYOUTS:
-            ref, got = one_epoch(clean, split, world, workers, batch), one_epoch(bad, split, world, workers, batch)
-            missing = len(set(ref["keys"]) - lost - set(got["keys"]))
+            cfg = config(split, workers, batch)
+            ref, got = one_epoch(clean, world, cfg), one_epoch(bad, world, cfg)
+            missing = len(set(ref["real"]) - lost - set(got["real"]))
             row = {"split": split, "world": world, "workers": workers, "batch": batch, "batches": got["batches"],
-                   "len": ref["len"], "missing": missing, "damaged_delivered": len(lost & set(got["keys"])),
+                   "len": ref["lens"], "missing": missing, "damaged_delivered": len(lost & set(got["real"])),
                    "lost": got["lost"]}  # fmt: skip
             rows.append(row)
-            print(f"| {split} | {world} x {workers}, {batch} | {' '.join(map(str, got['batches']))} ({ref['len'][0]}) "
+            print(f"| {split} | {world} x {workers}, {batch} | {' '.join(map(str, got['batches']))} ({ref['lens'][0]}) "
                   f"| {missing} | {row['damaged_delivered']} | {got['lost']} |")  # fmt: skip
         print(f"\n{len(lost)} damaged samples of {TOTAL} in shards of {PER_SHARD}")
         if args.json:

@@ -9,9 +9,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
-from tests.helpers.damaged import DAMAGED, PER_SHARD, TOTAL, damage, positions, unreadable, write_digits
+from tests.helpers.damaged import (
+    DAMAGED,
+    PER_SHARD,
+    TOTAL,
+    damage,
+    one_epoch,
+    positions,
+    unreadable,
+    write_digits,
+)
 from wdsdist.data import DataError, Loader, LoaderConfig
 
 SEED = 0
@@ -42,27 +50,6 @@ def config(split: str, workers: int, batch: int, **extra) -> LoaderConfig:
     )  # fmt: skip
 
 
-def epoch(spec: str, world: int, cfg: LoaderConfig) -> dict:
-    """One epoch on every rank: batches and len() per rank, the real rows' samples (positions
-    below N under split=samples; rows that stand in for nothing under split=shards), the padded
-    rows' samples and the losses counted."""
-    out = {"batches": [], "lens": [], "real": [], "padding": [], "lost": 0, "names": []}
-    for rank in range(world):
-        loader = Loader(spec, cfg, rank=rank, world=world)
-        out["lens"].append(len(loader))
-        n = 0
-        for batch in loader:
-            n += 1
-            keys = torch.tensor([int(k) for k in batch["key"]])
-            stand_in = batch["pos"] >= TOTAL if cfg.by_samples else batch["bad"][:, 0] > 0
-            out["real"] += keys[~stand_in].tolist()
-            out["padding"] += keys[stand_in].tolist()
-            out["lost"] += int(batch["bad"][:, 0].sum())
-            out["names"] += batch["bad_samples"]
-        out["batches"].append(n)
-    return out
-
-
 SAMPLE_LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
 
 
@@ -72,7 +59,7 @@ def test_split_samples_every_good_sample_once_and_len_batches_on_every_layout(di
     first = first_position_sample()
     padded_a_loss = False
     for world, workers in SAMPLE_LAYOUTS:
-        got = epoch(digits["bad"], world, config("samples", workers, batch))
+        got = one_epoch(digits["bad"], world, config("samples", workers, batch))
         where = f"{world} x {workers}, batch {batch}"
         assert got["batches"] == got["lens"], where  # exactly len() on every rank
         assert len(set(got["lens"])) == 1, where
@@ -89,7 +76,7 @@ def test_split_shards_every_sample_the_clean_run_delivers_but_the_damaged(digits
     lost = digits["lost"]
     for world, workers in [(2, 2), (3, 1)]:
         cfg = config("shards", workers, batch)
-        clean, bad = epoch(digits["clean"], world, cfg), epoch(digits["bad"], world, cfg)
+        clean, bad = one_epoch(digits["clean"], world, cfg), one_epoch(digits["bad"], world, cfg)
         where = f"{world} x {workers}, batch {batch}"
         assert bad["batches"] == clean["batches"] == bad["lens"], where
         reached = lost & set(clean["real"])
@@ -101,16 +88,16 @@ def test_an_unreadable_shard_is_filled_within_max_bad_and_stops_the_rank_past_it
     shutil.copytree(digits["root"] / "clean", tmp_path / "gone")
     gone = unreadable(tmp_path / "gone", 3)
     spec = str(tmp_path / "gone" / "digits.index.json")
-    got = epoch(spec, 2, config("samples", 2, 10, max_bad=0.25))
+    got = one_epoch(spec, 2, config("samples", 2, 10, max_bad=0.25))
     assert got["batches"] == got["lens"] and len(set(got["lens"])) == 1
     assert sorted(got["real"]) == sorted(set(range(TOTAL)) - gone)  # every other sample once
     assert got["lost"] == len(gone) and not gone & set(got["padding"])
     # past the default (1 % of a rank's epoch): the rank that holds the shard raises, naming it
     with pytest.raises(DataError, match=r"digits-000003\.tar unreadable"):
-        epoch(spec, 2, config("samples", 1, 10))
+        one_epoch(spec, 2, config("samples", 1, 10))
     # data.strict: the first loss stops the rank, naming the sample
     with pytest.raises(DataError, match=r"past data\.strict: .*digits-\d+\.tar: sample '\d{6}': cannot decode image"):
-        epoch(digits["bad"], 1, config("samples", 1, 10, strict=True))
+        one_epoch(digits["bad"], 1, config("samples", 1, 10, strict=True))
 
 
 def test_a_resume_mid_epoch_from_2_ranks_to_3_delivers_every_good_sample_once(digits):

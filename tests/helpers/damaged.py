@@ -101,3 +101,34 @@ def positions(seed: int, epoch: int) -> dict[int, int]:
             out[shard * PER_SHARD + n] = pos
             pos += 1
     return out
+
+
+def one_epoch(spec: str, world: int, cfg) -> dict:  # noqa: ANN001 (a LoaderConfig)
+    """One epoch on every rank of ``world`` (``cfg`` with_keys): batches and len() per rank, the
+    keys of the real rows (positions below N under split=samples; rows that stand in for nothing
+    under split=shards), the stand-in and padding rows' keys, the losses counted and named. Code
+    from before stand-ins (no ``bad_samples``) has no stand-in rows."""
+    import torch
+
+    from wdsdist.data import Loader
+
+    out: dict = {"batches": [], "lens": [], "real": [], "padding": [], "lost": 0, "names": []}
+    for rank in range(world):
+        loader = Loader(spec, cfg, rank=rank, world=world)
+        out["lens"].append(len(loader))
+        n = 0
+        for batch in loader:
+            n += 1
+            keys = torch.tensor([int(k) for k in batch["key"]])
+            if cfg.by_samples:
+                stand_in = batch["pos"] >= TOTAL
+            else:
+                stand_in = (
+                    batch["bad"][:, 0] > 0 if "bad_samples" in batch else torch.zeros(len(keys), dtype=torch.bool)
+                )
+            out["real"] += keys[~stand_in].tolist()
+            out["padding"] += keys[stand_in].tolist()
+            out["lost"] += int(batch["bad"][:, 0].sum())
+            out["names"] += batch.get("bad_samples", [])
+        out["batches"].append(n)
+    return out
