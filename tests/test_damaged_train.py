@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, run_script
 from tests.helpers.damaged import DAMAGED, PER_SHARD, TOTAL, damage, positions, unreadable, write_digits
@@ -58,6 +59,9 @@ def test_train_py_trains_every_good_sample_of_epoch_0_and_names_the_damaged(digi
     line = next(line for line in out.splitlines() if "damaged samples filled" in line)
     assert line.count("digits-") == 5 and "5 damaged samples" in line
     assert sorted(int(k) for k in re.findall(r"\.tar (\d{6})", line)) == sorted(digits["lost"])
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("data/epoch_lost_samples")] == [5]  # TensorBoard counts them
 
 
 def test_an_unreadable_shard_past_max_bad_stops_every_rank_at_one_step_naming_it(digits, tmp_path):
