@@ -308,6 +308,11 @@ def put_bytes(url: str, data: bytes, timeout: float, *, endpoint_url: str | None
     _call(url, timeout, endpoint_url, "put_object", Body=data)
 
 
+def object_size(url: str, timeout: float, *, endpoint_url: str | None = None) -> int:
+    """The object's size in bytes (one HEAD); FileNotFoundError where there is none."""
+    return int(_call(url, timeout, endpoint_url, "head_object")["ContentLength"])
+
+
 def check_credentials(url: str) -> None:
     """PermissionError when boto3's chain finds no credentials for ``url``'s store. Asks no
     store; on a machine without credentials in the environment or a profile, boto3 asks the
