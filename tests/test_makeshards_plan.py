@@ -171,3 +171,17 @@ def test_a_finished_conversion_run_again_changes_nothing(tmp_path):
     again = convert(Inputs(str(tmp_path / "src")), Options("t", maxcount=5), Run(str(tmp_path / "out")))
     assert again["written"] == 0 and again["nsamples"] == first["nsamples"] == 12
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+
+
+def test_resize_and_quality_reencode_and_cut_by_count_alone(tmp_path):
+    src = tmp_path / "train"
+    (src / "a").mkdir(parents=True)
+    for i in range(5):
+        (src / "a" / f"{i}.png").write_bytes(imagenet.image(i, size=48, fmt="PNG"))
+    convert(Inputs(str(src)), Options("t", maxcount=2, resize=24, quality=80), Run(str(tmp_path / "out")))
+    stored = samples(tmp_path / "out" / "t.index.json")
+    assert len(stored) == 5 and all(set(s) >= {"jpg", "cls", "json"} for s in stored)
+    assert {Image.open(io.BytesIO(s["jpg"])).size for s in stored} == {(28, 24)}  # 48 x 56, shorter side 24
+    proc = run_script("makeshards.py", "--source", str(src), "--resize", "24", "--maxsize", "1GB")
+    assert proc.returncode == 2
+    assert one_error_line(proc).startswith("error: --maxsize with --resize/--quality: a re-encoded image's size")

@@ -120,11 +120,16 @@ def _tar(inputs: Inputs) -> Listing:
         raise UserError(
             f"--source {path}: member {flat} is in no class folder or class tar; for a flat tar add --labels FILE"
         )
-    listing.classes = sorted({name.strip("/").split("/")[0] for name, _, _ in members})
+    listing.classes = sorted({_folder(name) for name, _, _ in members})
     index = {c: i for i, c in enumerate(listing.classes)}
-    listing.items = [[name, index[name.strip("/").split("/")[0]], size, off] for name, size, off in members]
+    listing.items = [[name, index[_folder(name)], size, off] for name, size, off in members]
     random.Random(inputs.seed).shuffle(listing.items)
     return listing
+
+
+def _folder(name: str) -> str:
+    """An image's class in a tar: the folder it is in (train/n01440764/x.JPEG: n01440764)."""
+    return name.strip("/").split("/")[-2]
 
 
 def _unique(members: list[tuple], skipped: list[list[str]]) -> list[tuple]:

@@ -1,0 +1,206 @@
+"""wds-makeshards on ImageNet as it is handed out (a small replica: a train tar of class tars, a flat
+val tar, its labels in the CSV, Kaggle and devkit forms), on a Parquet data set, under torchrun
+and into a bucket: converted without extracting anything, every val image with its class, and
+train.py trains and evaluates on the result."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+import webdataset as wds
+
+from tests.conftest import one_error_line, run_script
+from tests.helpers import imagenet
+from tests.helpers.training import SMALL_MODEL
+from wdsdist.data.sources.index import read_index
+from wdsdist.tools.convert import Inputs, Run, convert
+from wdsdist.tools.planning import Options
+
+
+def files_under(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def labelled(index):
+    """{image path: class name} of the shards an index lists."""
+    desc = read_index(str(index))
+    out = {}
+    for entry in desc["shardlist"]:
+        for s in wds.WebDataset(os.path.join(os.path.dirname(index), entry["url"]), shardshuffle=False):
+            meta = json.loads(s["json"])
+            assert desc["classes"][int(s["cls"])] == meta["class"]
+            out[meta["path"]] = meta["class"]
+    return out
+
+
+def makeshards(*args):
+    proc = run_script("makeshards.py", *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imagenet")
+    imagenet.train_tar(root / "ILSVRC2012_img_train.tar", per_class=8)
+    imagenet.val_tar(root / "ILSVRC2012_img_val.tar")
+    return root, imagenet.val_labels(root)
+
+
+def test_imagenet_tarballs_become_shards_without_extraction_and_train_py_trains_and_evaluates(replica, tmp_path):
+    root, labels = replica
+    before = files_under(root)
+    out = tmp_path / "shards"
+    makeshards("--source", str(root / "ILSVRC2012_img_train.tar"), "--shards", str(out), "--prefix", "train")
+    train = out / "train.index.json"
+    expected = {imagenet.val_name(i): imagenet.WNIDS[c] for i, c in enumerate(imagenet.VAL_CLASSES, 1)}
+    for form in ("csv", "kaggle", "devkit"):
+        extra = ["--devkit-classes", str(labels["synsets"])] if form == "devkit" else []
+        val = tmp_path / form
+        makeshards("--source", str(root / "ILSVRC2012_img_val.tar"), "--labels", str(labels[form]), *extra)
+        makeshards(
+            *("--source", str(root / "ILSVRC2012_img_val.tar"), "--labels", str(labels[form]), *extra),
+            *("--classes-from", str(train), "--shards", str(val), "--prefix", "val", "--workers", "2"),
+        )
+        got = {os.path.splitext(path)[0]: cls for path, cls in labelled(val / "val.index.json").items()}
+        assert got == expected, form
+    assert folder_bytes(tmp_path / "csv") == folder_bytes(tmp_path / "kaggle") == folder_bytes(tmp_path / "devkit")
+    assert files_under(root) == before  # nothing extracted beside the tarballs
+    assert sorted(set(labelled(train).values())) == imagenet.WNIDS and len(labelled(train)) == 24
+
+    run = tmp_path / "run"
+    args = [
+        *(f"data.train_shards={train}", f"data.val_shards={tmp_path / 'devkit' / 'val.index.json'}"),
+        *("data.synthetic=null", "data.image_size=32", "data.num_classes=3", SMALL_MODEL),
+        *("trainer.batch_size=4", "trainer.workers=1", "trainer.steps=2", "trainer.eval_every=2"),
+        *("loader.shuffle_buffer=8", f"run_dir={run}"),
+    ]
+    proc = run_script("train.py", *args)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_class_samples"] == [Counter(imagenet.VAL_CLASSES)[c] for c in range(3)]
+
+
+def test_a_tar_of_class_folders_gives_the_class_tars_shards(tmp_path):
+    imagenet.train_tar(tmp_path / "tars.tar", per_class=3)
+    imagenet.train_tar(tmp_path / "folders.tar", per_class=3, folders=True)
+    a = convert(Inputs(str(tmp_path / "tars.tar")), Options("t"), Run(str(tmp_path / "a")))
+    b = convert(Inputs(str(tmp_path / "folders.tar")), Options("t"), Run(str(tmp_path / "b")))
+    assert a["classes"] == b["classes"] == imagenet.WNIDS
+    assert labelled(tmp_path / "a" / "t.index.json") == {
+        path.removeprefix("train/"): cls for path, cls in labelled(tmp_path / "b" / "t.index.json").items()
+    }
+
+
+def test_classes_that_are_not_the_training_sets_are_refused_in_one_line(replica, tmp_path):
+    root, labels = replica
+    other = tmp_path / "other"
+    (other / "n99999999").mkdir(parents=True)
+    (other / "n99999999" / "a.jpg").write_bytes(imagenet.image(1))
+    makeshards("--source", str(other), "--shards", str(other / "out"), "--prefix", "train")
+    index = other / "out" / "train.index.json"
+    proc = run_script(
+        *("makeshards.py", "--source", str(root / "ILSVRC2012_img_val.tar"), "--labels", str(labels["csv"])),
+        *("--classes-from", str(index), "--shards", str(tmp_path / "val")),
+    )
+    assert proc.returncode == 2 and not (tmp_path / "val").exists()
+    assert one_error_line(proc) == (
+        f"error: --labels {labels['csv']}: class n01440764 (3 in all) is not among the 1 classes of "
+        f"--classes-from {index}"
+    )
+    proc = run_script(
+        *("makeshards.py", "--source", str(root / "ILSVRC2012_img_train.tar"), "--classes-from", str(index)),
+        *("--shards", str(tmp_path / "train")),
+    )
+    assert proc.returncode == 2
+    assert "its 3 classes are not the 1 of --classes-from" in one_error_line(proc)
+
+
+def test_a_parquet_data_set_becomes_shards_train_py_reads(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    labels = [i % 3 for i in range(12)]
+    images = [{"bytes": imagenet.image(i), "path": f"img{i}.jpg"} for i in range(12)]
+    features = {"image": {"_type": "Image"}, "label": {"names": imagenet.WNIDS, "_type": "ClassLabel"}}
+    table = pa.table({"image": images, "label": labels})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    pq.write_table(table, tmp_path / "train-00000-of-00001.parquet", row_group_size=5)
+    out = tmp_path / "shards"
+    makeshards("--source", str(tmp_path / "train-00000-of-00001.parquet"), "--shards", str(out), "--maxcount", "5")
+    index = out / "train-00000-of-00001.index.json"
+    desc = read_index(str(index))
+    assert desc["classes"] == imagenet.WNIDS and desc["nsamples"] == 12 and desc["nshards"] == 3
+    assert Counter(labelled(index).values()) == {w: 4 for w in imagenet.WNIDS}
+    run = tmp_path / "run"
+    args = [f"data.train_shards={index}", "data.val_shards=null", "data.synthetic=null", "data.image_size=32"]
+    args += ["data.num_classes=3", SMALL_MODEL, "trainer.batch_size=4", "trainer.workers=1", "trainer.steps=1"]
+    proc = run_script("train.py", *args, "loader.shuffle_buffer=4", f"run_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+
+def test_two_ranks_write_the_shards_of_one_process(tmp_path):
+    imagenet.train_tar(tmp_path / "train.tar", per_class=6)
+    common = ["makeshards.py", "--source", str(tmp_path / "train.tar"), "--maxcount", "4", "--workers", "1"]
+    proc = run_script(*common, "--shards", str(tmp_path / "ranks"), ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1: wrote 2 of its 2 shards; rank 0 writes the index" in proc.stdout
+    makeshards(*common[1:], "--shards", str(tmp_path / "one"))
+    assert folder_bytes(tmp_path / "ranks") == folder_bytes(tmp_path / "one")
+    assert not (tmp_path / "ranks" / ".train.work").exists()
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    """moto's S3 on loopback (a real HTTP server, as tests/test_object_store.py runs it) with a bucket."""
+    pytest.importorskip("moto")
+    import threading
+
+    import boto3
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    from wdsdist.data.sources import s3open
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env |= {"AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    server = make_server("127.0.0.1", 0, DomainDispatcherApplication(create_backend_app), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{server.server_port}"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s3open.reset_clients()
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="shards")
+    yield client
+    s3open.reset_clients()
+    server.shutdown()
+    server.server_close()
+
+
+def test_shards_into_a_bucket_equal_those_of_a_folder(tmp_path, bucket):
+    imagenet.train_tar(tmp_path / "train.tar", per_class=4)
+    folder = convert(Inputs(str(tmp_path / "train.tar")), Options("t", maxcount=5), Run(str(tmp_path / "local")))
+    desc = convert(
+        Inputs(str(tmp_path / "train.tar")), Options("t", maxcount=5), Run("s3://shards/imagenet", workers=2)
+    )
+    keys = [o["Key"] for o in bucket.list_objects_v2(Bucket="shards")["Contents"]]
+    objects = {k.removeprefix("imagenet/"): bucket.get_object(Bucket="shards", Key=k)["Body"].read() for k in keys}
+    local = folder_bytes(tmp_path / "local")
+    assert desc["shardlist"] == folder["shardlist"] and desc["nsamples"] == 12
+    tars = {k: v for k, v in objects.items() if k.endswith(".tar")}
+    assert tars == {k: v for k, v in local.items() if k.endswith(".tar")} and len(tars) == 3
+    assert objects["t.plan.json"] == local["t.plan.json"]
+    assert json.loads(objects["t.index.json"])["shardlist"] == json.loads(local["t.index.json"])["shardlist"]
+    again = convert(Inputs(str(tmp_path / "train.tar")), Options("t", maxcount=5), Run("s3://shards/imagenet"))
+    assert again["written"] == 0
