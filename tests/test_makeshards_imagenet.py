@@ -204,3 +204,25 @@ def test_shards_into_a_bucket_equal_those_of_a_folder(tmp_path, bucket):
     assert json.loads(objects["t.index.json"])["shardlist"] == json.loads(local["t.index.json"])["shardlist"]
     again = convert(Inputs(str(tmp_path / "train.tar")), Options("t", maxcount=5), Run("s3://shards/imagenet"))
     assert again["written"] == 0
+
+
+def test_member_names_that_climb_out_write_nothing_outside_and_keys_stay_inside(tmp_path):
+    members = {
+        "n1/../../../escaped.jpg": imagenet.image(1),
+        "/abs/n2/rooted.jpg": imagenet.image(2),
+        "n2/ok.jpg": imagenet.image(3),
+        "n2/huge.jpg": imagenet.image(4, size=64),
+    }
+    (tmp_path / "evil.tar").write_bytes(imagenet.tar_bytes(members))
+    out = tmp_path / "deep" / "out"
+    before = files_under(tmp_path)
+    makeshards("--source", str(tmp_path / "evil.tar"), "--shards", str(out), "--max-member", "4kB")
+    added = set(files_under(tmp_path)) - set(before)
+    assert added == {f"deep/out/{n}" for n in ("evil-000000.tar", "evil.index.json", "evil.plan.json")}
+    desc = read_index(str(out / "evil.index.json"))
+    assert desc["classes"] == ["n2"] and desc["nsamples"] == 2
+    reasons = {s["name"]: s["reason"] for s in desc["skipped"]}
+    assert reasons["n1/../../../escaped.jpg"] == "its name leads out of its folder ('..')"
+    assert reasons["n2/huge.jpg"].endswith("more than the limit of 4000 (--max-member)") and len(reasons) == 2
+    keys = [s["__key__"] for s in wds.WebDataset(str(out / "evil-000000.tar"), shardshuffle=False)]
+    assert sorted(keys) == ["abs/n2/rooted", "n2/ok"]  # inside the shard, whatever the name said

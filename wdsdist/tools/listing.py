@@ -110,12 +110,14 @@ def _tar(inputs: Inputs) -> Listing:
     for m in tarlist.list_tar(path):
         if m.kind != "file":
             listing.skipped.append([m.name, f"a {m.kind} in the tar, not a file"])
+        elif ".." in m.name.split("/"):
+            listing.skipped.append([m.name, "its name leads out of its folder ('..')"])
         else:
             members.append((m.name, m.size, m.offset))
     members = _unique(members, listing.skipped)
     if inputs.labels:
         return _label(listing, members, inputs)
-    flat = next((name for name, _, _ in members if "/" not in name.strip("/")), None)
+    flat = next((name for name, _, _ in members if _folder(name) in ("", ".", "..")), None)
     if flat is not None:
         raise UserError(
             f"--source {path}: member {flat} is in no class folder or class tar; for a flat tar add --labels FILE"
@@ -128,8 +130,9 @@ def _tar(inputs: Inputs) -> Listing:
 
 
 def _folder(name: str) -> str:
-    """An image's class in a tar: the folder it is in (train/n01440764/x.JPEG: n01440764)."""
-    return name.strip("/").split("/")[-2]
+    """An image's class in a tar: the folder it is in (train/n01440764/x.JPEG: n01440764); "" for none."""
+    parts = name.strip("/").split("/")
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def _unique(members: list[tuple], skipped: list[list[str]]) -> list[tuple]:
