@@ -284,7 +284,7 @@ def from_source(args: argparse.Namespace) -> int:
     workers = args.workers or max(1, cores() // ranks_on_node(1))
     how = "" if args.workers else " (the cores this process may use)"
     ranks = f", rank {rank} of {world}" if world > 1 else ""
-    print(f"makeshards: {workers} workers{how}{ranks}", file=sys.stderr)
+    print(f"makeshards: {workers} worker{'s' if workers > 1 else ''}{how}{ranks}", file=sys.stderr)
     desc = convert(inputs, options, Run(args.shards, workers, rank, world, args.strict), _Bar(prefix))
     print(_summary(desc, args.shards, prefix))
     return 0
@@ -309,11 +309,11 @@ def _summary(desc: dict, shards: str, prefix: str) -> str:
         return f"rank {desc['rank']}: {written}; rank 0 writes the index"
     where = f"{shards.rstrip('/')}/{prefix}.index.json"
     skipped = f", {desc['nskipped']} files skipped (listed in the index)" if desc.get("nskipped") else ""
-    return (
-        f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes{skipped}{kept} "
-        f"in {secs:.1f} s ({desc.get('images', 0) / secs:.0f} images/s, {desc.get('bytes', 0) / secs / 1e6:.1f} MB/s)"
-        f" -> {where}"
-    )
+    rate = ""
+    if desc.get("images"):
+        rate = f" ({desc['images'] / secs:.0f} images/s, {desc['bytes'] / secs / 1e6:.1f} MB/s)"
+    wrote = f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes"
+    return f"{wrote}{skipped}{kept} in {secs:.1f} s{rate} -> {where}"
 
 
 class _Bar(Progress):
