@@ -226,3 +226,35 @@ def test_member_names_that_climb_out_write_nothing_outside_and_keys_stay_inside(
     assert reasons["n2/huge.jpg"].endswith("more than the limit of 4000 (--max-member)") and len(reasons) == 2
     keys = [s["__key__"] for s in wds.WebDataset(str(out / "evil-000000.tar"), shardshuffle=False)]
     assert sorted(keys) == ["abs/n2/rooted", "n2/ok"]  # inside the shard, whatever the name said
+
+
+def test_the_devkit_class_order_from_meta_mat_or_a_list_and_bad_label_files(tmp_path):
+    scipy_io = pytest.importorskip("scipy.io")
+    import numpy as np
+
+    from wdsdist.errors import UserError
+    from wdsdist.tools import labels
+
+    rows = [
+        (1, imagenet.DEVKIT_ORDER[0]),
+        (1001, "n00000001"),
+        (2, imagenet.DEVKIT_ORDER[1]),
+        (3, imagenet.DEVKIT_ORDER[2]),
+    ]
+    synsets = np.zeros((len(rows), 1), dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O")])
+    for i, row in enumerate(rows):
+        synsets[i, 0] = row
+    scipy_io.savemat(tmp_path / "meta.mat", {"synsets": synsets})
+    files = imagenet.val_labels(tmp_path)
+    assert labels.devkit_wnids(str(tmp_path / "meta.mat")) == imagenet.DEVKIT_ORDER  # leaves only, in ID order
+    from_mat = labels.read_labels(str(files["devkit"]), str(tmp_path / "meta.mat"))
+    assert from_mat == labels.read_labels(str(files["devkit"]), str(files["synsets"]))
+    assert from_mat == labels.read_labels(str(files["kaggle"])) == labels.read_labels(str(files["csv"]))
+    with pytest.raises(UserError, match="numbers classes in its own order; name them with --devkit-classes"):
+        labels.read_labels(str(files["devkit"]))
+    (tmp_path / "two.csv").write_text("a.jpg,n1\na.JPEG,n2\n")
+    with pytest.raises(UserError, match="two.csv: a has two classes, n1 and n2"):
+        labels.read_labels(str(tmp_path / "two.csv"))
+    (tmp_path / "short.csv").write_text("a.jpg\n")
+    with pytest.raises(UserError, match=r"short.csv: row 1 'a.jpg' is not NAME,CLASS"):
+        labels.read_labels(str(tmp_path / "short.csv"))

@@ -150,6 +150,7 @@ _WORKER: dict = {}  # in a worker process: its Job, store and shared counters
 
 def _init_worker(job: Job, store, images, nbytes) -> None:
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _WORKER.update(job=job, store=store, images=images, nbytes=nbytes)
 
 
@@ -187,7 +188,8 @@ def _write_all(job: Job, store, todo: list[int], workers: int, progress: Progres
     images, nbytes = ctx.Value("q", 0), ctx.Value("q", 0)
     records, seen = [], (0, 0)
     init = (job, store, images, nbytes)
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=init) as pool:
+    pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=init)
+    try:
         pending = {pool.submit(_pool_shard, shard) for shard in todo}
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -196,11 +198,17 @@ def _write_all(job: Job, store, todo: list[int], workers: int, progress: Progres
             seen = now
             for future in done:
                 if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
                     raise future.exception()
                 records.append(future.result())
                 _kill_for_test(len(records))
+    except BaseException:
+        # A failed shard (--strict) or Ctrl-C: the others stop now, not when their shards end;
+        # what they were writing is a temporary the next run removes.
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return records
 
 

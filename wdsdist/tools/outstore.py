@@ -92,8 +92,7 @@ class ObjectStore:
     def publish(self, name: str) -> None:
         """Upload the finished shard from the staging folder, then drop the local copy."""
         local = os.path.join(self.staging, name)
-        with open(local, "rb") as f:
-            self.write(name, f.read())
+        self._call(name, lambda url: s3open.put_file(url, local, TIMEOUT))
         os.remove(local)
 
     def remove_tree(self, name: str) -> None:
