@@ -59,6 +59,20 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, source):
     )
 
 
+def test_offset_every_shapes_the_index_and_not_the_plan(tmp_path):
+    make_image_folder(tmp_path / "src", per_class=10)
+    tables = {}
+    for every in (4, 0):
+        run = Run(str(tmp_path / f"e{every}"), offset_every=every)
+        desc = convert(Inputs(str(tmp_path / "src")), Options("t", maxcount=20), run)
+        tables[every] = [
+            (e["nsamples"], e.get("offsets", {}).get("every"), len(e.get("offsets", {}).get("at", [])))
+            for e in desc["shardlist"]
+        ]
+    assert tables == {4: [(20, 4, 5), (10, 4, 3)], 0: [(20, None, 0), (10, None, 0)]}
+    assert (tmp_path / "e4" / "t.plan.json").read_bytes() == (tmp_path / "e0" / "t.plan.json").read_bytes()
+
+
 def test_sizes_are_read_as_people_write_them():
     assert parse_size("1GB") == 10**9 and parse_size("1GiB") == 1 << 30 and parse_size("512MiB") == 512 << 20
     assert parse_size("4096") == 4096 and parse_size("1.5kB") == 1500

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
-from wdsdist.data.sources.index import index_bytes, index_desc
+from wdsdist.data.sources.index import OFFSET_EVERY, index_bytes, index_desc
 from wdsdist.errors import UserError
 from wdsdist.tools import planning
 from wdsdist.tools.listing import Inputs, list_source
@@ -38,6 +38,7 @@ class Run:
     rank: int = 0
     world: int = 1
     strict: bool = False
+    offset_every: int = OFFSET_EVERY  # the index's offset tables (not the shards': not in the plan)
 
 
 class Progress:
@@ -83,7 +84,7 @@ def convert(inputs: Inputs, options: planning.Options, run: Run, progress: Progr
         if run.rank != 0:
             return summary | {"nshards": len(share), "rank": run.rank}
         records = _wait_for_all(store, plan, digest, nshards)
-        return _write_index(store, plan, digest, records) | summary
+        return _write_index(store, plan, digest, records, run.offset_every) | summary
     finally:
         store.close()
 
@@ -235,7 +236,7 @@ def _wait_for_all(store, plan: dict, digest: str, nshards: int) -> list[dict]:
     return [done[i] for i in range(nshards)]
 
 
-def _write_index(store, plan: dict, digest: str, records: list[dict]) -> dict:
+def _write_index(store, plan: dict, digest: str, records: list[dict], offset_every: int) -> dict:
     prefix = plan["options"]["prefix"]
     index = store.path(f"{prefix}.index.json")
     skipped = [s for s in plan["skipped"]] + [s for r in records for s in r["skipped"]]
@@ -244,6 +245,7 @@ def _write_index(store, plan: dict, digest: str, records: list[dict]) -> dict:
         index,
         [(store.path(shard_name(prefix, r["shard"])), r["nsamples"]) for r in nonempty],
         offsets=[r["offsets"] for r in nonempty],
+        offset_every=offset_every,
         name=prefix,
         classes=plan["classes"],
         source=plan["source"]["path"],

@@ -285,7 +285,9 @@ def from_source(args: argparse.Namespace) -> int:
     how = "" if args.workers else " (the cores this process may use)"
     ranks = f", rank {rank} of {world}" if world > 1 else ""
     print(f"makeshards: {workers} worker{'s' if workers > 1 else ''}{how}{ranks}", file=sys.stderr)
-    desc = convert(inputs, options, Run(args.shards, workers, rank, world, args.strict), _Bar(prefix))
+    desc = convert(
+        inputs, options, Run(args.shards, workers, rank, world, args.strict, args.offset_every), _Bar(prefix)
+    )
     print(_summary(desc, args.shards, prefix))
     return 0
 
