@@ -64,7 +64,6 @@ def test_imagenet_tarballs_become_shards_without_extraction_and_train_py_trains_
     for form in ("csv", "kaggle", "devkit"):
         extra = ["--devkit-classes", str(labels["synsets"])] if form == "devkit" else []
         val = tmp_path / form
-        makeshards("--source", str(root / "ILSVRC2012_img_val.tar"), "--labels", str(labels[form]), *extra)
         makeshards(
             *("--source", str(root / "ILSVRC2012_img_val.tar"), "--labels", str(labels[form]), *extra),
             *("--classes-from", str(train), "--shards", str(val), "--prefix", "val", "--workers", "2"),

@@ -60,7 +60,7 @@ def convert(inputs: Inputs, options: planning.Options, run: Run, progress: Progr
     store = open_store(run.shards)
     try:
         digest = planning.digest(plan)
-        finished = _check_output(store, plan, digest, options.prefix)
+        finished = _check_output(store, plan, digest, options.prefix, run.rank)
         if finished is None:  # the index of this plan is there: nothing to do
             desc = json.loads(store.read(f"{options.prefix}.index.json"))
             return desc | {"written": 0, "kept": desc["nshards"], "seconds": time.monotonic() - began}
@@ -94,20 +94,22 @@ def _count(plan: dict, shard: int) -> int:
     return end - start
 
 
-def _check_output(store, plan: dict, digest: str, prefix: str) -> dict[int, dict] | None:
+def _check_output(store, plan: dict, digest: str, prefix: str, rank: int) -> dict[int, dict] | None:
     """The finished shards of this plan in the output ({shard: record}); None when its index is
     there already. Another conversion's plan there, or an index without a plan, is refused in one
-    line before anything is written."""
+    line before anything is written. Rank 0 saves a new plan; the other ranks wait for it."""
     plan_name, index_name = f"{prefix}.plan.json", f"{prefix}.index.json"
-    raw = store.read(plan_name)
-    index = store.read(index_name)
+    raw, index = store.read(plan_name), store.read(index_name)
+    while raw is None and index is None and rank != 0:
+        time.sleep(POLL_S)  # rank 0 is listing the source, or saving the plan (a failed rank 0 ends the job)
+        raw, index = store.read(plan_name), store.read(index_name)
     if raw is None:
         if index is not None:
             raise UserError(
                 f"--shards {store.path(index_name)} was written by another command (it has no plan beside it); "
                 "choose another --shards folder or --prefix, or remove that set"
             )
-        store.write(plan_name, planning.plan_bytes(plan))  # every rank writes the same bytes
+        store.write(plan_name, planning.plan_bytes(plan))
         return {}
     try:
         saved = json.loads(raw)

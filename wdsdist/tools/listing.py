@@ -173,18 +173,16 @@ def _label(listing: Listing, members: list[tuple], inputs: Inputs) -> Listing:
 
 def _parquet(inputs: Inputs) -> Listing:
     path = os.path.abspath(inputs.source)
-    found = parquetsrc.list_parquet(path, inputs.image_column, inputs.label_column)
+    found = parquetsrc.list_parquet(inputs.source, inputs.image_column, inputs.label_column)  # named as given
     identity, mtime = _stat(found.files[0])
-    identity["files"] = [
-        [os.path.relpath(f, path) if f != path else os.path.basename(f), os.path.getsize(f)] for f in found.files
-    ]
+    identity["files"] = [[os.path.basename(f), os.path.getsize(f)] for f in found.files]
     classes = found.classes
     if inputs.classes_from is not None:
         classes = training_classes(inputs.classes_from)
     items = [[name, label, size, row] for name, label, size, row in found.rows]
     bad = next((it for it in items if not 0 <= it[1] < len(classes)), None)
     if bad is not None:
-        raise UserError(f"--source {path}: row {bad[3]} has label {bad[1]}, not in 0..{len(classes) - 1}")
+        raise UserError(f"--source {inputs.source}: row {bad[3]} has label {bad[1]}, not in 0..{len(classes) - 1}")
     random.Random(inputs.seed).shuffle(items)
     return Listing("parquet", path, items, classes, identity, mtime)
 

@@ -105,7 +105,9 @@ def _inner(outer: tarfile.TarFile, path: str, info: tarfile.TarInfo) -> Iterator
     window = _Window(outer.fileobj, info.offset_data, info.size)
     where = f"--source {path}: member {info.name}"
     try:
-        inner = tarfile.open(fileobj=io.BufferedReader(window, 1 << 16), mode="r:")
+        # The window itself, unbuffered: each header is one 512-byte pread, where a buffer would
+        # read its size of image data after every header (82 GB of ImageNet's 138 at 64 KiB).
+        inner = tarfile.open(fileobj=window, mode="r:")
     except tarfile.TarError as exc:
         raise UserError(f"{where}: not a readable tar ({exc})") from None
     with inner:
