@@ -26,11 +26,12 @@ import os
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from wdsdist.data.cores import cores, ranks_on_node
-from wdsdist.data.sources import s3open, shardspec
+from wdsdist.data.sources import s3open
 from wdsdist.data.sources.index import (
     HTTP_TIMEOUT,
     OFFSET_EVERY,
@@ -43,9 +44,14 @@ from wdsdist.data.sources.index import (
 from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES
 from wdsdist.errors import CliParser, UserError, integer, run_cli
 from wdsdist.tools.convert import Inputs, Progress, Run, convert
+from wdsdist.tools.outfolder import check_local_output
 from wdsdist.tools.planning import Options, parse_size
-from wdsdist.tools.shards import check_local_output, from_synthetic
 
+if TYPE_CHECKING:
+    from wdsdist.data.sources import shardspec
+
+# shardspec (the readers: webdataset, torch) and the synthetic set's writer are imported where they
+# are used: --source needs neither, and each costs seconds of start-up.
 PARTIAL = ".partial"  # beside a local --output: the counts made so far
 
 
@@ -130,6 +136,8 @@ def _source_options(p: argparse.ArgumentParser) -> None:
 
 
 def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
+    from wdsdist.data.sources import shardspec
+
     access = shardspec.Access(allow_pipe=allow_pipe)
     shards = shardspec.expand(spec, access=access)
     shardspec.check_access(shards, access)  # counting opens every shard
@@ -247,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.source:
         return from_source(args)
+    from wdsdist.tools.shards import from_synthetic
+
     prefix = args.prefix or f"synthetic-{args.split}"
     common = dict(
         maxcount=args.maxcount, maxsize=args.maxsize or 1 << 30, seed=args.seed, offset_every=args.offset_every

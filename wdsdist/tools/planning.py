@@ -63,8 +63,10 @@ def sample_meta(name: str, cls: str) -> bytes:
 
 
 def sample_bytes(name: str, size: int, label: int, cls: str) -> int:
-    """A sample's bytes in a shard: its image, class and JSON members, each a header and padded data."""
-    return _padded(size) + _padded(len(str(label))) + _padded(len(sample_meta(name, cls)))
+    """A sample's bytes in a shard: its image, class and JSON members, each a header and padded
+    data; a name too long for a plain header takes a PAX header (and padded record) per member."""
+    long = 3 * (2 * BLOCK + _padded(len(name) + 32)) if len(name) > 90 else 0
+    return _padded(size) + _padded(len(str(label))) + _padded(len(sample_meta(name, cls))) + long
 
 
 def cut(listing: Listing, options: Options) -> list[int]:

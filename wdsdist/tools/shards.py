@@ -34,7 +34,7 @@ from wdsdist.data.sources.index import (
 )
 from wdsdist.errors import UserError
 from wdsdist.tools import synthetic
-from wdsdist.tools.outfolder import make_output_folder
+from wdsdist.tools.outfolder import check_local_output, make_output_folder
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,6 @@ class Sample:
     image: bytes
     label: int
     meta: dict
-
-
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-
-
-def check_local_output(path: str, what: str) -> None:
-    """Refuse an output that is not a plain local path: webdataset's gopen would run ``pipe:``
-    as a shell command and hand URLs (http:, s3:, file:, ...) to its tools, and outputs are
-    local files only, whatever data.allow_pipe says."""
-    if _SCHEME.match(path):
-        raise UserError(
-            f"{what}: shards are written to a local folder only, not to pipe: commands or URLs "
-            f"(for a local name with a colon write ./{path})"
-        )
 
 
 def shard_name(prefix: str, i: int) -> str:

@@ -14,12 +14,12 @@ import hashlib
 import io
 import os
 import stat
+import tarfile
 from dataclasses import dataclass
 
-import webdataset as wds
 from PIL import Image
 
-from wdsdist.data.sources.index import create_new, local_sample_offsets
+from wdsdist.data.sources.index import create_new
 from wdsdist.errors import UserError
 from wdsdist.tools import planning
 from wdsdist.tools.listing import NO_LABEL
@@ -38,6 +38,28 @@ class Job:
     outdir: str  # where the shards are written (for a bucket: a local folder they wait in)
     strict: bool = False
     image_column: str = "image"
+
+
+class _TarOut:
+    """A shard as webdataset's TarWriter writes one (members KEY.EXT in sorted order, mode 0444,
+    owner bigdata), with a fixed mtime, and each sample's offset noted as it is written (what
+    the index's offset table needs, without reading the shard back). PAX where a name is too long
+    for a plain tar header, so no member name stops a shard."""
+
+    def __init__(self, f, mtime: int):
+        self.f, self.mtime, self.offsets = f, mtime, []
+        self.tar = tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT)
+
+    def write(self, key: str, members: dict[str, bytes]) -> None:
+        self.offsets.append(self.f.tell())
+        for ext in sorted(members):
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(members[ext]), self.mtime, 0o444
+            info.uname = info.gname = "bigdata"
+            self.tar.addfile(info, io.BytesIO(members[ext]))
+
+    def close(self) -> None:
+        self.tar.close()
 
 
 def shard_name(prefix: str, i: int) -> str:
@@ -154,26 +176,26 @@ def write_shard(job: Job, shard: int, progress=None) -> dict:
     tmp = f"{os.path.join(job.outdir, '.' + os.path.basename(final))}.tmp{os.getpid()}"
     _remove_temporaries(job.outdir, os.path.basename(final))
     reader = _Reader(job)
-    skipped, count = [], 0
+    skipped = []
     try:
         reader.prefetch(items)
         with create_new(tmp) as f:
             # A fixed mtime (the source's): every run, and every worker, writes the same bytes.
-            with wds.TarWriter(f, mtime=plan["mtime"]) as sink:
-                for item in items:
-                    sample, why = _sample(reader, item, plan)
-                    if progress is not None:
-                        progress(1, item[2])
-                    if why is not None:
-                        if job.strict:
-                            raise UserError(f"--strict: {_where(plan, item[0])}: {why}")
-                        skipped.append([item[0], why])
-                        continue
-                    sink.write(sample)
-                    count += 1
+            out = _TarOut(f, plan["mtime"])
+            for item in items:
+                sample, why = _sample(reader, item, plan)
+                if progress is not None:
+                    progress(1, item[2])
+                if why is not None:
+                    if job.strict:
+                        raise UserError(f"--strict: {_where(plan, item[0])}: {why}")
+                    skipped.append([item[0], why])
+                    continue
+                out.write(*sample)
+            out.close()
             f.flush()
             os.fsync(f.fileno())
-        record = _finish(tmp, final, shard, count, skipped, job.digest)
+        record = _finish(tmp, final, shard, out.offsets, skipped, job.digest)
     except BaseException:
         if os.path.lexists(tmp):
             os.remove(tmp)
@@ -197,7 +219,7 @@ def _remove_temporaries(folder: str, name: str) -> None:
         os.remove(path)
 
 
-def _sample(reader: _Reader, item: list, plan: dict) -> tuple[dict | None, str | None]:
+def _sample(reader: _Reader, item: list, plan: dict) -> tuple[tuple[str, dict] | None, str | None]:
     name, label = item[0], item[1]
     if label == NO_LABEL:
         return None, "not named in --labels"
@@ -208,21 +230,21 @@ def _sample(reader: _Reader, item: list, plan: dict) -> tuple[dict | None, str |
     if why is not None:
         return None, why
     cls = plan["classes"][label]
-    return {"__key__": sample_key(name), ext: data, "cls": str(label), "json": planning.sample_meta(name, cls)}, None
+    members = {ext: data, "cls": str(label).encode(), "json": planning.sample_meta(name, cls)}
+    return (sample_key(name), members), None
 
 
-def _finish(tmp: str, final: str, shard: int, count: int, skipped: list, plan_digest: str) -> dict:
+def _finish(tmp: str, final: str, shard: int, offsets: list[int], skipped: list, plan_digest: str) -> dict:
     digest = hashlib.sha256()
     with open(tmp, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    offsets = local_sample_offsets(tmp) if count else []
     size = os.path.getsize(tmp)
     os.replace(tmp, final)
     return {
         "shard": shard,
         "plan": plan_digest,
-        "nsamples": count,
+        "nsamples": len(offsets),
         "bytes": size,
         "sha256": digest.hexdigest(),
         "offsets": offsets,
