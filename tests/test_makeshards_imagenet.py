@@ -146,6 +146,18 @@ def test_a_parquet_data_set_becomes_shards_train_py_reads(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
 
 
+def test_parquet_rows_are_mixed_within_windows_of_row_groups():
+    from wdsdist.tools.parquetsrc import windowed_shuffle
+
+    rows = list(range(100))
+    groups = list(range(0, 100, 10))  # 10 row groups of 10 rows
+    order = windowed_shuffle(rows, groups, seed=1, window=3)
+    assert sorted(order) == rows and order != rows
+    windows = [order[:30], order[30:60], order[60:90], order[90:]]
+    assert [len({r // 10 for r in w}) for w in windows] == [3, 3, 3, 1]  # each window: its 3 groups, mixed
+    assert all(w != sorted(w) for w in windows[:3]) and windowed_shuffle(rows, groups, 1, 3) == order
+
+
 def test_two_ranks_write_the_shards_of_one_process(tmp_path):
     imagenet.train_tar(tmp_path / "train.tar", per_class=6)
     common = ["makeshards.py", "--source", str(tmp_path / "train.tar"), "--maxcount", "4", "--workers", "1"]

@@ -18,6 +18,7 @@ from wdsdist.tools import labels as labelfiles
 from wdsdist.tools import parquetsrc, tarlist
 from wdsdist.tools.sourcetree import image_folder_samples
 
+PARQUET_WINDOW = 8  # row groups whose rows are mixed together (parquetsrc.windowed_shuffle)
 NO_LABEL = -1  # an image the labels file does not name: skipped, and listed, when written
 
 
@@ -183,7 +184,7 @@ def _parquet(inputs: Inputs) -> Listing:
     bad = next((it for it in items if not 0 <= it[1] < len(classes)), None)
     if bad is not None:
         raise UserError(f"--source {inputs.source}: row {bad[3]} has label {bad[1]}, not in 0..{len(classes) - 1}")
-    random.Random(inputs.seed).shuffle(items)
+    items = parquetsrc.windowed_shuffle(items, found.groups, inputs.seed, PARQUET_WINDOW)
     return Listing("parquet", path, items, classes, identity, mtime)
 
 

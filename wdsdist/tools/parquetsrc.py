@@ -2,13 +2,15 @@
 Hugging Face Hub stores its image data sets (``image`` a struct of ``bytes`` and ``path``, ``label``
 an integer with its class names in the file's metadata). pyarrow comes with the ``[parquet]``
 extra. Rows are read a row group at a time, only the image column, and only the rows a shard
-needs, so memory stays that of one row group whatever the data set's size."""
+needs, so memory stays that of one row group whatever the data set's size; the order mixes rows
+within windows of row groups (``windowed_shuffle``), so each shard reads only a few of them."""
 
 from __future__ import annotations
 
 import bisect
 import json
 import os
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -42,6 +44,7 @@ class Found:
     files: list[str]
     rows: list[tuple[str, int, int, int]]  # (name, label, image bytes, row number over all files)
     classes: list[str]
+    groups: list[int]  # each row group's first row (over all files), in order
 
 
 def _bytes_column(table, column: str):
@@ -66,7 +69,7 @@ def _class_names(schema, label_column: str) -> list[str] | None:
 def list_parquet(path: str, image_column: str, label_column: str) -> Found:
     """Every row's name, label and image size (read from the image column, one row group at a time)."""
     pq = _pq(path)
-    files, rows, raw_labels, names = parquet_files(path), [], [], None
+    files, rows, raw_labels, names, groups = parquet_files(path), [], [], None, []
     total = 0
     for f in files:
         try:
@@ -82,6 +85,7 @@ def list_parquet(path: str, image_column: str, label_column: str) -> Found:
         names = names or _class_names(pf.schema_arrow, label_column)
         stem = os.path.splitext(os.path.basename(f))[0]
         for g in range(pf.num_row_groups):
+            groups.append(total)
             table = pf.read_row_group(g, columns=[image_column, label_column])
             images = _bytes_column(table, image_column).to_pylist()
             for data, label in zip(images, table.column(label_column).to_pylist(), strict=True):
@@ -95,7 +99,24 @@ def list_parquet(path: str, image_column: str, label_column: str) -> Found:
         classes = sorted({str(x) for x in raw_labels})
         index = {c: i for i, c in enumerate(classes)}
         labels = [index[str(x)] for x in raw_labels]
-    return Found(files, [(n, lab, size, r) for (n, size, r), lab in zip(rows, labels, strict=True)], classes)
+    rows = [(n, lab, size, r) for (n, size, r), lab in zip(rows, labels, strict=True)]
+    return Found(files, rows, classes, groups)
+
+
+def windowed_shuffle(rows: list, groups: list[int], seed: int, window: int) -> list:
+    """The rows in a shuffled order that a shard reads in few row groups: the row groups in a
+    seeded order, cut into windows of ``window`` groups, the rows shuffled within each window. A
+    global shuffle would have every shard read (and decompress) nearly every row group."""
+    rng = random.Random(seed)
+    bounds = [*groups, len(rows)]
+    spans = [(bounds[i], bounds[i + 1]) for i in range(len(groups))]
+    rng.shuffle(spans)
+    out = []
+    for w in range(0, len(spans), window):
+        part = [row for a, b in spans[w : w + window] for row in rows[a:b]]
+        rng.shuffle(part)
+        out += part
+    return out
 
 
 class RowReader:
