@@ -119,6 +119,14 @@ def test_strict_stops_at_the_first_bad_file_naming_it(tmp_path):
     assert not (tmp_path / "out" / "train.index.json").exists()
 
 
+def test_a_flat_folder_without_labels_says_to_add_them(tmp_path):
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "ILSVRC2012_val_00000001.JPEG").write_bytes(imagenet.image(1))
+    with pytest.raises(UserError, match=r"val: images but no class folders; for a flat folder add --labels FILE$"):
+        convert(Inputs(str(tmp_path / "val")), Options("v"), Run(str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
 def test_header_verify_keeps_a_truncated_jpeg_full_skips_it(tmp_path):
     src = tmp_path / "train"
     imagenet.bad_files(src / "a")

@@ -76,6 +76,10 @@ def _stat(path: str) -> tuple[dict, int]:
 
 
 def _image_folder(inputs: Inputs) -> Listing:
+    with os.scandir(inputs.source) as it:
+        entries = list(it)
+    if not any(e.is_dir() for e in entries) and any(e.name.lower().endswith(tarlist.IMAGE_SUFFIXES) for e in entries):
+        raise UserError(f"--source {inputs.source}: images but no class folders; for a flat folder add --labels FILE")
     tree = image_folder_samples(inputs.source, inputs.seed)
     root = os.path.abspath(inputs.source)
     items = []
