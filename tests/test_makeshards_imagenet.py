@@ -98,6 +98,21 @@ def test_a_tar_of_class_folders_gives_the_class_tars_shards(tmp_path):
     }
 
 
+def test_a_damaged_class_tar_is_skipped_and_its_class_keeps_its_number(tmp_path):
+    good = {"a.JPEG": imagenet.image(1), "b.JPEG": imagenet.image(2)}
+    outer = {
+        "n1.tar": imagenet.tar_bytes(good),
+        "n2.tar": b"not a tar at all " * 64,
+        "n3.tar": imagenet.tar_bytes(good),
+    }
+    (tmp_path / "train.tar").write_bytes(imagenet.tar_bytes(outer))
+    desc = convert(Inputs(str(tmp_path / "train.tar")), Options("t"), Run(str(tmp_path / "out")))
+    assert desc["classes"] == ["n1", "n2", "n3"] and desc["nsamples"] == 4
+    assert sorted(labelled(tmp_path / "out" / "t.index.json").values()) == ["n1", "n1", "n3", "n3"]
+    [skipped] = desc["skipped"]
+    assert skipped["name"] == "n2/n2.tar" and skipped["reason"].startswith("a class tar damaged: not a readable tar")
+
+
 def test_classes_that_are_not_the_training_sets_are_refused_in_one_line(replica, tmp_path):
     root, labels = replica
     other = tmp_path / "other"

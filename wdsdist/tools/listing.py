@@ -111,9 +111,12 @@ def _tar(inputs: Inputs) -> Listing:
     path = os.path.abspath(inputs.source)
     identity, mtime = _stat(path)
     listing = Listing("tar", path, [], [], identity, mtime)
-    members = []
+    members, damaged = [], set()
     for m in tarlist.list_tar(path):
-        if m.kind != "file":
+        if m.kind.startswith("damaged"):
+            listing.skipped.append([m.name, f"a class tar {m.kind}; its images are left out"])
+            damaged.add(_folder(m.name))
+        elif m.kind != "file":
             listing.skipped.append([m.name, f"a {m.kind} in the tar, not a file"])
         elif ".." in m.name.split("/"):
             listing.skipped.append([m.name, "its name leads out of its folder ('..')"])
@@ -127,7 +130,7 @@ def _tar(inputs: Inputs) -> Listing:
         raise UserError(
             f"--source {path}: member {flat} is in no class folder or class tar; for a flat tar add --labels FILE"
         )
-    listing.classes = sorted({_folder(name) for name, _, _ in members})
+    listing.classes = sorted({_folder(name) for name, _, _ in members} | damaged)  # a class keeps its number
     index = {c: i for i, c in enumerate(listing.classes)}
     listing.items = [[name, index[_folder(name)], size, off] for name, size, off in members]
     random.Random(inputs.seed).shuffle(listing.items)

@@ -101,21 +101,23 @@ def list_tar(path: str) -> Iterator[Member]:
 
 
 def _inner(outer: tarfile.TarFile, path: str, info: tarfile.TarInfo) -> Iterator[Member]:
+    """A class tar's images. One whose headers cannot be read (a damaged download) ends in a
+    "damaged" member naming its class, so the conversion goes on and the class keeps its place."""
     cls = os.path.basename(info.name)[: -len(".tar")]
     window = _Window(outer.fileobj, info.offset_data, info.size)
     where = f"--source {path}: member {info.name}"
     try:
         # The window itself, unbuffered: each header is one 512-byte pread, where a buffer would
         # read its size of image data after every header (82 GB of ImageNet's 138 at 64 KiB).
-        inner = tarfile.open(fileobj=window, mode="r:")
-    except tarfile.TarError as exc:
-        raise UserError(f"{where}: not a readable tar ({exc})") from None
-    with inner:
-        for m in _members(inner, where):
-            if m.isdir() or not m.name.lower().endswith(IMAGE_SUFFIXES):
-                continue
-            name = f"{cls}/{os.path.basename(m.name)}"
-            yield Member(name, info.offset_data + m.offset_data, m.size, _kind(m))
+        with tarfile.open(fileobj=window, mode="r:") as inner:
+            for m in _members(inner, where):
+                if m.isdir() or not m.name.lower().endswith(IMAGE_SUFFIXES):
+                    continue
+                name = f"{cls}/{os.path.basename(m.name)}"
+                yield Member(name, info.offset_data + m.offset_data, m.size, _kind(m))
+    except (tarfile.TarError, UserError) as exc:
+        why = str(exc).removeprefix(f"{where}: ") if isinstance(exc, UserError) else f"not a readable tar ({exc})"
+        yield Member(f"{cls}/{os.path.basename(info.name)}", info.offset_data, info.size, f"damaged: {why}")
 
 
 def is_tar(path: str) -> bool:
