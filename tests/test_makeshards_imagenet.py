@@ -16,6 +16,7 @@ from tests.conftest import one_error_line, run_script
 from tests.helpers import imagenet
 from tests.helpers.training import SMALL_MODEL
 from wdsdist.data.sources.index import read_index
+from wdsdist.errors import UserError
 from wdsdist.tools.convert import Inputs, Run, convert
 from wdsdist.tools.planning import Options
 
@@ -111,6 +112,9 @@ def test_a_damaged_class_tar_is_skipped_and_its_class_keeps_its_number(tmp_path)
     assert sorted(labelled(tmp_path / "out" / "t.index.json").values()) == ["n1", "n1", "n3", "n3"]
     [skipped] = desc["skipped"]
     assert skipped["name"] == "n2/n2.tar" and skipped["reason"].startswith("a class tar damaged: not a readable tar")
+    with pytest.raises(UserError, match=r"^--strict: .*train.tar:n2/n2.tar: a class tar damaged"):
+        convert(Inputs(str(tmp_path / "train.tar")), Options("t"), Run(str(tmp_path / "strict"), strict=True))
+    assert not (tmp_path / "strict").exists()
 
 
 def test_classes_that_are_not_the_training_sets_are_refused_in_one_line(replica, tmp_path):
@@ -258,7 +262,6 @@ def test_the_devkit_class_order_from_meta_mat_or_a_list_and_bad_label_files(tmp_
     scipy_io = pytest.importorskip("scipy.io")
     import numpy as np
 
-    from wdsdist.errors import UserError
     from wdsdist.tools import labels
 
     rows = [

@@ -56,6 +56,9 @@ def convert(inputs: Inputs, options: planning.Options, run: Run, progress: Progr
     "skipped" (name, reason) and "seconds"."""
     began = time.monotonic()
     listing = list_source(inputs)
+    if run.strict and listing.skipped:
+        name, why = listing.skipped[0]
+        raise UserError(f"--strict: {listing.path}:{name}: {why}")
     plan = planning.make_plan(listing, options)
     store = open_store(run.shards)
     try:
