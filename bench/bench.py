@@ -27,7 +27,7 @@ its own format once (cached under the data set's folder, peers/NAME/). Work: Ran
 # Every contender runs as a subprocess of this same file (--run, --convert), so the data, the
 # contenders and the table stay one command; what runs in a contender's process is contenders.py,
 # the peers' environment peervenv.py, their code peers.py, the photographs photos.py, the charts
-# charts.py.
+# charts.py, and --conversion's writers conversion.py.
 # What stays here (about 420 lines: the options, the rounds, the medians and the table) is one
 # command's flow read top down; split further, a contender's row would be defined far from its column.
 
@@ -233,6 +233,12 @@ def parse_args() -> argparse.Namespace:
         help="leave the venvs' libraries in the page cache between contenders (each contender's PSS then "
         "depends on how the cache got their pages; by default they are dropped before each run)",
     )
+    p.add_argument(
+        "--conversion",
+        action="store_true",
+        help="conversion to shards instead of loading, on the photos set: ours (1 and 2 workers), webdataset's "
+        "ShardWriter, LitData's optimize (bench/conversion.py; --images, --repeat)",
+    )
     p.add_argument("--run", choices=CONTENDERS + PEERS, help=argparse.SUPPRESS)  # internal: one contender
     p.add_argument("--tree", help=argparse.SUPPRESS)  # internal: the checkout whose wdsdist it runs
     p.add_argument("--set", choices=DATASETS, default="noise", help=argparse.SUPPRESS)  # internal: its data set
@@ -373,6 +379,8 @@ def main() -> int:
             result["wdsdist"] = str(Path(sys.modules["wdsdist"].__file__).resolve().parent.parent)
         print(json.dumps(result))
         return 0
+    if args.conversion:
+        return run_conversion(args)
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
     names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
     extra: dict = {}
@@ -403,6 +411,24 @@ def main() -> int:
         if said:
             print(said)
     write_json(args, infos, results, rounds, extra)
+    return 0
+
+
+def run_conversion(args: argparse.Namespace) -> int:
+    """--conversion: the photos set's ImageFolder tree to shards by each writer (bench/conversion.py)."""
+    import conversion
+
+    venv = peervenv.ensure()
+    data = data_folder(args, "photos")
+    info = prepare(data, args.images, "photos")
+    results = conversion.measure(Path(info["tree"]), data / "conversion", args.repeat)
+    said = f"{args.images} photos ({info['mean_kb']} KB mean), {os.cpu_count()} cores, {cpu_model()}"
+    conversion.print_table(results, said)
+    out = Path(args.json).with_name("conversion.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"config": vars(args) | {"cores": os.cpu_count(), "cpu": cpu_model()}, "data": info, "results": results}
+    out.write_text(json.dumps(report | {"bench_venv": venv}, indent=1))
+    print(f"-> {out}")
     return 0
 
 

@@ -146,7 +146,7 @@ def test_the_install_is_the_loader_and_its_tools_and_each_extra_brings_its_part(
 LEAN = """
 import sys
 for name in ("hydra", "omegaconf", "tensorboard", "matplotlib", "boto3", "botocore", "pytorch_lightning",
-             "huggingface_hub"):
+             "huggingface_hub", "pyarrow"):
     sys.modules[name] = None
 """
 
@@ -184,15 +184,23 @@ def test_without_extras_the_tools_make_shards_and_the_loader_reads_them(installe
 
 S3_LOADER = "from wdsdist.data import Loader, LoaderConfig; Loader('s3://b/k-{0..3}.tar', LoaderConfig(batch_size=2))"
 HF_LOADER = "from wdsdist.data import Loader, LoaderConfig; Loader('hf://datasets/o/n/k', LoaderConfig(batch_size=2))"
+PARQUET_SOURCE = (
+    "import sys; open('x.parquet', 'wb').close(); from wdsdist.tools.makeshards import run; "
+    "sys.argv = ['wds-makeshards', '--source', 'x.parquet', '--shards', 'out']; run()"
+)
 EXTRA_LINES = [
     (("-c", S3_LOADER), "s3://b/k-0.tar: s3:// shards need boto3: pip install 'wds-distributed[s3]'"),
     (("-c", HF_LOADER), "hf://datasets/o/n/k: hf:// shards need huggingface_hub: pip install 'wds-distributed[hf]'"),
     (("-m", "wdsdist.simdist", "--plan", "--plot", "x.png"), "needs matplotlib: pip install 'wds-distributed[plot]'"),
     (("-c", "import wdsdist.lightning"), "needs PyTorch Lightning: pip install 'wds-distributed[lightning]'"),
+    (
+        ("-c", PARQUET_SOURCE),
+        "--source x.parquet: Parquet needs pyarrow, in the [parquet] extra: pip install 'wds-distributed[parquet]'",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("argv", "line"), EXTRA_LINES, ids=["s3", "hf", "plot", "lightning"])
+@pytest.mark.parametrize(("argv", "line"), EXTRA_LINES, ids=["s3", "hf", "plot", "lightning", "parquet"])
 def test_a_feature_used_without_its_extra_names_the_extra_in_one_line(installed, tmp_path, argv, line):
     proc = lean(installed, tmp_path, *argv, python=True)
     assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]

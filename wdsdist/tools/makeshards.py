@@ -2,12 +2,17 @@
 shards plus an index of sample counts.
 
   wds-makeshards --source /data/imagenet/train --shards /data/shards --prefix imagenet-train
+  wds-makeshards --source ILSVRC2012_img_train.tar --shards /data/shards --prefix imagenet-train
+  wds-makeshards --source ILSVRC2012_img_val.tar --labels LOC_val_solution.csv \
+      --classes-from /data/shards/imagenet-train.index.json --shards /data/shards --prefix imagenet-val
   wds-makeshards --synthetic 2000 --shards data/synth --prefix synth-train
   wds-makeshards --synthetic 500 --split val --shards data/synth --prefix synth-val
   wds-makeshards --index 'data/other-{000000..000009}.tar'
   wds-makeshards --index 's3://bucket/train/shard-{000000..000099}.tar' --output s3://bucket/train/train.index.json
   wds-makeshards --index 'hf://datasets/ORG/NAME/train-{0000..0099}.tar' --output data/name.index.json
 
+--source is planned first (PREFIX.plan.json beside the shards: the order and each shard's images),
+then written by --workers processes; the same command after a stop keeps the finished shards.
 --index reads each shard once, with progress; into a local --output, the counts so far are kept in
 OUTPUT.partial, so the same command run again after a stop goes on where it stopped.
 """
@@ -20,10 +25,13 @@ import json
 import os
 import re
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from wdsdist.data.sources import s3open, shardspec
+from wdsdist.data.cores import cores, ranks_on_node
+from wdsdist.data.sources import s3open
 from wdsdist.data.sources.index import (
     HTTP_TIMEOUT,
     OFFSET_EVERY,
@@ -35,25 +43,44 @@ from wdsdist.data.sources.index import (
 )
 from wdsdist.data.sources.shard import MAX_SHARD_SAMPLES
 from wdsdist.errors import CliParser, UserError, integer, run_cli
-from wdsdist.tools.shards import check_local_output, from_image_folder, from_synthetic
+from wdsdist.tools.convert import Inputs, Progress, Run, convert
+from wdsdist.tools.outfolder import check_local_output
+from wdsdist.tools.planning import Options, parse_size
 
+if TYPE_CHECKING:
+    from wdsdist.data.sources import shardspec
+
+# shardspec (the readers: webdataset, torch) and the synthetic set's writer are imported where they
+# are used: --source needs neither, and each costs seconds of start-up.
 PARTIAL = ".partial"  # beside a local --output: the counts made so far
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--source", help="ImageFolder tree: SOURCE/CLASS/IMAGE")
+    src.add_argument(
+        "--source",
+        help="an ImageFolder tree (SOURCE/CLASS/IMAGE), a tar of class tars or class folders, a flat folder or tar "
+        "with --labels, or a Parquet file or folder of them",
+    )
     src.add_argument("--synthetic", type=integer(1), metavar="N", help="N images of the built-in synthetic set")
     src.add_argument("--index", metavar="SHARDSPEC", help="write only the index for existing shards")
-    p.add_argument("--shards", default="data/shards", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--shards", default="data/shards", help="output folder, or s3:// / gs:// prefix (default: %(default)s)"
+    )
     p.add_argument("--prefix", help="shard name prefix (default: the source folder's name, or synthetic-SPLIT)")
     p.add_argument("--maxcount", type=integer(1), default=1000, help="samples per shard (default: %(default)s)")
-    p.add_argument("--maxsize", type=integer(1), default=1 << 30, help="bytes per shard (default: 1 GiB)")
+    p.add_argument("--maxsize", type=_size, help="bytes per shard, e.g. 1GB, 512MiB (default: 1GiB)")
     p.add_argument("--seed", type=int, default=0, help="sample order (ImageFolder) or drawing seed (synthetic)")
     p.add_argument("--split", choices=["train", "val"], default="train", help="synthetic split (default: train)")
     p.add_argument("--size", type=integer(1), default=64, help="synthetic image size in pixels (default: 64)")
-    p.add_argument("--quality", type=integer(1), default=90, help="synthetic JPEG quality (default: 90)")
+    p.add_argument(
+        "--quality",
+        type=integer(1),
+        help="JPEG quality: with --source, re-encode every image at it (off: images stored as they are); "
+        "synthetic: default 90",
+    )
+    _source_options(p)
     p.add_argument(
         "--offset-every",
         type=integer(0),
@@ -70,7 +97,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _source_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workers", type=integer(1), help="processes writing shards (default: the cores this process may use)"
+    )
+    p.add_argument(
+        "--labels",
+        metavar="FILE",
+        help="labels of a flat --source: CSV name,class, Kaggle's "
+        "LOC_val_solution.csv, or the devkit's ILSVRC2012_validation_ground_truth.txt",
+    )
+    p.add_argument(
+        "--devkit-classes",
+        metavar="FILE",
+        help="the devkit's class order: a text file of wnids in ILSVRC2012_ID order, or its meta.mat (needs scipy)",
+    )
+    p.add_argument("--classes-from", metavar="INDEX", help="the training set's index: its classes and their numbers")
+    p.add_argument(
+        "--verify",
+        choices=["full", "header"],
+        default="full",
+        help="full (default): decode every image, "
+        "skipping what does not decode; header: read headers only (fast; misses truncated files and "
+        "damaged image data, which training then skips)",
+    )
+    p.add_argument("--strict", action="store_true", help="stop at the first file that is not a readable image")
+    p.add_argument("--resize", type=integer(8), metavar="S", help="re-encode as JPEG with the shorter side at most S")
+    p.add_argument("--max-member", type=_size, default=64 << 20, help="skip an image larger than this (default: 64MiB)")
+    p.add_argument("--image-column", default="image", help="Parquet: the image bytes column (default: %(default)s)")
+    p.add_argument("--label-column", default="label", help="Parquet: the label column (default: %(default)s)")
+
+
 def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
+    from wdsdist.data.sources import shardspec
+
     access = shardspec.Access(allow_pipe=allow_pipe)
     shards = shardspec.expand(spec, access=access)
     shardspec.check_access(shards, access)  # counting opens every shard
@@ -176,8 +243,9 @@ def _offsets(path: str, nsamples: int) -> list[int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Before anything is read or opened: outputs are local files, never pipe: commands or URLs.
-    if args.index is None:
+    # Before anything is read or opened: outputs are local files (or, for --source, a bucket),
+    # never pipe: commands or URLs.
+    if args.index is None and not (args.source and s3open.is_object_url(args.shards)):
         check_local_output(args.shards, f"--shards {args.shards}")
     elif args.output is not None and not s3open.is_object_url(args.output):
         check_local_output(args.output, f"--output {args.output}")
@@ -185,20 +253,101 @@ def main(argv: list[str] | None = None) -> int:
         desc = index_only(args.index, args.output, args.allow_pipe, args.offset_every)
         print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
         return 0
-    common = dict(maxcount=args.maxcount, maxsize=args.maxsize, seed=args.seed, offset_every=args.offset_every)
     if args.source:
-        prefix = args.prefix or os.path.basename(os.path.normpath(args.source))
-        desc = from_image_folder(args.source, args.shards, prefix, **common)
-    else:
-        prefix = args.prefix or f"synthetic-{args.split}"
-        desc = from_synthetic(
-            args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality, **common
-        )
+        return from_source(args)
+    from wdsdist.tools.shards import from_synthetic
+
+    prefix = args.prefix or f"synthetic-{args.split}"
+    common = dict(
+        maxcount=args.maxcount, maxsize=args.maxsize or 1 << 30, seed=args.seed, offset_every=args.offset_every
+    )
+    desc = from_synthetic(
+        args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality or 90, **common
+    )
     where = os.path.join(args.shards, f"{prefix}.index.json")
-    skipped = f" ({desc['skipped_links']} symlinks out of --source not followed)" if desc.get("skipped_links") else ""
-    wrote = f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes"
-    print(f"{wrote} -> {where}{skipped}")
+    print(f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes -> {where}")
     return 0
+
+
+def from_source(args: argparse.Namespace) -> int:
+    """--source: the planned, parallel, resumable conversion (tools/convert.py)."""
+    if (args.resize or args.quality) and args.maxsize is not None:
+        raise UserError(
+            "--maxsize with --resize/--quality: a re-encoded image's size is not known before it is encoded, "
+            "so those shards are cut by --maxcount alone"
+        )
+    name = os.path.basename(os.path.normpath(args.source))
+    prefix = args.prefix or re.sub(r"\.(tar|parquet)$", "", name, flags=re.IGNORECASE)
+    inputs = Inputs(
+        args.source,
+        args.seed,
+        args.labels,
+        args.devkit_classes,
+        args.classes_from,
+        args.image_column,
+        args.label_column,
+    )
+    options = Options(
+        prefix, args.maxcount, args.maxsize or 1 << 30, args.verify, args.resize, args.quality, args.max_member
+    )
+    rank, world = _torchrun_rank()
+    workers = args.workers or max(1, cores() // ranks_on_node(1))
+    how = "" if args.workers else " (the cores this process may use)"
+    ranks = f", rank {rank} of {world}" if world > 1 else ""
+    print(f"makeshards: {workers} worker{'s' if workers > 1 else ''}{how}{ranks}", file=sys.stderr)
+    desc = convert(
+        inputs, options, Run(args.shards, workers, rank, world, args.strict, args.offset_every), _Bar(prefix)
+    )
+    print(_summary(desc, args.shards, prefix))
+    return 0
+
+
+def _torchrun_rank() -> tuple[int, int]:
+    """torchrun's RANK and WORLD_SIZE (0 and 1 outside it), read here, where the command line is."""
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UserError("RANK and WORLD_SIZE must be integers (as torchrun sets them)") from None
+    if not 0 <= rank < world:
+        raise UserError(f"RANK={rank} is not within WORLD_SIZE={world}")
+    return rank, world
+
+
+def _summary(desc: dict, shards: str, prefix: str) -> str:
+    secs = max(desc["seconds"], 1e-9)
+    kept = f" ({desc['kept']} of them finished before, kept)" if desc["kept"] else ""
+    if "rank" in desc:
+        written = f"wrote {desc['written']} of its {desc['nshards']} shards{kept}"
+        return f"rank {desc['rank']}: {written}; rank 0 writes the index"
+    where = f"{shards.rstrip('/')}/{prefix}.index.json"
+    skipped = f", {desc['nskipped']} files skipped (listed in the index)" if desc.get("nskipped") else ""
+    rate = ""
+    if desc.get("images"):
+        rate = f" ({desc['images'] / secs:.0f} images/s, {desc['bytes'] / secs / 1e6:.1f} MB/s)"
+    wrote = f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes"
+    return f"{wrote}{skipped}{kept} in {secs:.1f} s{rate} -> {where}"
+
+
+class _Bar(Progress):
+    """One tqdm bar for the job: images/s, MB/s and the time left."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.bar, self.nbytes, self.began = prefix, None, 0, time.monotonic()
+
+    def start(self, total: int, done: int) -> None:
+        self.bar = tqdm(total=total, initial=done, desc=f"writing {self.prefix}", unit="img", mininterval=1.0)
+        self.began = time.monotonic()
+
+    def update(self, images: int, nbytes: int) -> None:
+        self.nbytes += nbytes
+        if self.bar is not None and images:
+            secs = max(time.monotonic() - self.began, 1e-6)
+            self.bar.set_postfix_str(f"{self.nbytes / secs / 1e6:.1f} MB/s", refresh=False)
+            self.bar.update(images)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run() -> None:

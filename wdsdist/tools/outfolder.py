@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 
 from wdsdist.errors import UserError
@@ -67,3 +68,17 @@ def written_whole(path: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_local_output(path: str, what: str) -> None:
+    """Refuse an output that is not a plain local path: webdataset's gopen would run ``pipe:``
+    as a shell command and hand URLs (http:, s3:, file:, ...) to its tools, and outputs are
+    local files only, whatever data.allow_pipe says."""
+    if _SCHEME.match(path):
+        raise UserError(
+            f"{what}: shards are written to a local folder only, not to pipe: commands or URLs "
+            f"(for a local name with a colon write ./{path})"
+        )

@@ -1,4 +1,5 @@
-"""Write WebDataset shards (plus their index) from an ImageFolder tree or the synthetic set.
+"""Write WebDataset shards (plus their index) of the synthetic set as one whole new set (a source's
+conversion, planned and resumable, is tools/convert.py).
 
 The atomic set writer (ShardSink: temporaries, commit by renames under a lock, rollback) is
 half of one guarantee, "a re-run loses nothing and reads and writes only where told"; the
@@ -8,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import webdataset as wds
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from wdsdist.data.sources.index import (
@@ -36,8 +34,7 @@ from wdsdist.data.sources.index import (
 )
 from wdsdist.errors import UserError
 from wdsdist.tools import synthetic
-from wdsdist.tools.outfolder import make_output_folder
-from wdsdist.tools.sourcetree import image_folder_samples
+from wdsdist.tools.outfolder import check_local_output, make_output_folder
 
 
 @dataclass(frozen=True)
@@ -47,20 +44,6 @@ class Sample:
     image: bytes
     label: int
     meta: dict
-
-
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-
-
-def check_local_output(path: str, what: str) -> None:
-    """Refuse an output that is not a plain local path: webdataset's gopen would run ``pipe:``
-    as a shell command and hand URLs (http:, s3:, file:, ...) to its tools, and outputs are
-    local files only, whatever data.allow_pipe says."""
-    if _SCHEME.match(path):
-        raise UserError(
-            f"{what}: shards are written to a local folder only, not to pipe: commands or URLs "
-            f"(for a local name with a colon write ./{path})"
-        )
 
 
 def shard_name(prefix: str, i: int) -> str:
@@ -286,50 +269,6 @@ def write_shards(
         for s in tqdm(samples, total=total, desc=f"writing {prefix}", unit="img", mininterval=1.0):
             sink.write(s)
         return sink.commit(**index_extra)
-
-
-def _read_image_file(source: str, path: str, label: int, classes: list[str]) -> Sample:
-    rel = os.path.relpath(path, source)
-    stem, ext = os.path.splitext(rel)
-    try:
-        # Non-blocking open: a FIFO named like an image must not hang the run.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise OSError("not a regular file")
-            data = f.read()
-        with Image.open(io.BytesIO(data)) as im:
-            fmt = im.format
-    except (UnidentifiedImageError, OSError) as exc:
-        raise UserError(f"unreadable image {path}: {exc.__class__.__name__}: {exc}") from None
-    ext = ext.lstrip(".").lower() or (fmt or "img").lower()
-    # WebDataset splits keys at the first dot of the file name: keep dots out of keys.
-    key = stem.replace(os.sep, "/").replace(".", "_")
-    return Sample(key, ext, data, label, {"path": rel, "class": classes[label]})
-
-
-def from_image_folder(
-    source: str, outdir: str, prefix: str, *, maxcount: int, maxsize: int, seed: int, offset_every: int = OFFSET_EVERY
-) -> dict:
-    """Shards of an ImageFolder tree; the index also says how many symlinks were not followed."""
-    tree = image_folder_samples(source, seed)
-
-    def samples() -> Iterator[Sample]:
-        for path, label in tree.files:
-            yield _read_image_file(source, path, label, tree.classes)
-
-    desc = write_shards(
-        samples(),
-        len(tree.files),
-        outdir,
-        prefix,
-        maxcount=maxcount,
-        maxsize=maxsize,
-        offset_every=offset_every,
-        classes=tree.classes,
-        source=os.path.abspath(source),
-    )
-    return desc | {"skipped_links": len(tree.skipped_links)}
 
 
 def from_synthetic(

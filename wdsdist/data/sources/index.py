@@ -9,10 +9,8 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO
 
-from webdataset.tariterators import base_plus_ext
-
-from wdsdist.data.sources import opener, s3open
-from wdsdist.data.tar import tarread
+from wdsdist.data.sources import s3open
+from wdsdist.data.sources.access import Access
 from wdsdist.errors import UserError
 
 INDEX_KIND = "wids-shard-index-v1"
@@ -21,7 +19,10 @@ INDEX_KIND = "wids-shard-index-v1"
 OFFSET_EVERY = 16
 HTTP_TIMEOUT = 60.0  # seconds, as data.http_timeout's default
 # Counting a shard the user named (makeshards.py --index): pipe: runs, http and stores as by default.
-COUNT_ACCESS = opener.Access(allow_pipe=True, http_timeout=HTTP_TIMEOUT)
+COUNT_ACCESS = Access(allow_pipe=True, http_timeout=HTTP_TIMEOUT)
+# The readers (opener, tarread, webdataset's key split) are imported where they are used: writing
+# an index (wds-makeshards --source) then needs neither torch nor webdataset, a few seconds of
+# start-up on every run.
 
 
 def index_path(outdir: str, prefix: str) -> str:
@@ -141,6 +142,8 @@ def read_index(path: str) -> dict:
 def local_sample_offsets(path: str) -> list[int] | None:
     """The byte offset of each sample of a local plain tar shard (headers only are read, member
     data is passed by seeks); None for a compressed one, whose bytes no reader can seek to."""
+    from wdsdist.data.tar import tarread
+
     try:
         with open(path, "rb") as f:
             return tarread.sample_offsets(f)
@@ -150,6 +153,8 @@ def local_sample_offsets(path: str) -> list[int] | None:
 
 def count_keys(names: Iterable[str]) -> int:
     """Count samples the way WebDataset groups tar members: consecutive runs of one key."""
+    from webdataset.tariterators import base_plus_ext
+
     count, last = 0, None
     for name in names:
         key, _ = base_plus_ext(name)
@@ -163,6 +168,8 @@ def count_keys(names: Iterable[str]) -> int:
 
 def count_samples(url: str) -> int:
     """Count samples in a shard from its tar headers (plain or gzipped; local or any gopen URL)."""
+    from wdsdist.data.sources import opener
+
     try:
         if os.path.exists(url):
             # Random access: headers only, member data is skipped with seeks.

@@ -308,6 +308,17 @@ def put_bytes(url: str, data: bytes, timeout: float, *, endpoint_url: str | None
     _call(url, timeout, endpoint_url, "put_object", Body=data)
 
 
+def put_file(url: str, path: str, timeout: float, *, endpoint_url: str | None = None) -> None:
+    """Upload the local file ``path`` as the object at ``url``, streamed from disk (multipart when
+    large, so a shard of a GB is never held in memory); the object appears when the upload completes."""
+    _call(url, timeout, endpoint_url, "upload_file", Filename=path)
+
+
+def object_size(url: str, timeout: float, *, endpoint_url: str | None = None) -> int:
+    """The object's size in bytes (one HEAD); FileNotFoundError where there is none."""
+    return int(_call(url, timeout, endpoint_url, "head_object")["ContentLength"])
+
+
 def check_credentials(url: str) -> None:
     """PermissionError when boto3's chain finds no credentials for ``url``'s store. Asks no
     store; on a machine without credentials in the environment or a profile, boto3 asks the
