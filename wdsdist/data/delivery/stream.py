@@ -357,15 +357,17 @@ class ShardStream(IterableDataset):
 
     def _made(
         self, seq: int, sample: dict, done: Any, stand: Any, bad: list, skipped: list, epoch: int
-    ) -> Iterator[tuple[Any, dict, int]]:
+    ) -> Sequence[tuple[Any, dict, int]]:
         """The rows one sample of the stream makes, as (prepared, sample, seq): itself; for a loss,
         its stand-in (none without stand-ins: the loss is skipped, a run for the tracker); and
-        under split=shards, after the first good sample, the stand-ins that waited for it."""
+        under split=shards, after the first good sample, the stand-ins that waited for it. (A
+        tuple, not a generator: this runs once per sample.)"""
         if done is not FAILED and not isinstance(done, DataError):
-            yield done, sample, seq
+            if isinstance(stand, LastGood) and (stand.last is None or stand.waiting):
+                return ((done, sample, seq), *stand.good(sample, seq))
             if isinstance(stand, LastGood):
-                yield from stand.good(sample, seq)
-            return
+                stand.last = sample
+            return ((done, sample, seq),)
         tag = sample.get(POSITION, -1)
         total = stand.total if isinstance(stand, PositionStand) else None
         if total is None or tag < total:  # a padding read of a loss is not a second loss
@@ -378,11 +380,11 @@ class ShardStream(IterableDataset):
                 self.last_failure = str(done)
         if stand is None:
             steps.skip(skipped, epoch, seq)
-        elif isinstance(stand, PositionStand):
+            return ()
+        if isinstance(stand, PositionStand):
             made, stood = stand(seq, tag % stand.total, self.failed)
-            yield made, stood, seq
-        else:
-            yield from stand(seq)
+            return ((made, stood, seq),)
+        return tuple(stand(seq))
 
     def _rows(
         self,
