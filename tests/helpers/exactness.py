@@ -13,164 +13,31 @@ another), and so on; every rank's batches are held to the model (tests/helpers/m
   - every epoch: each position once as itself, none missing (pad) or none twice (drop), the
     padding rows exactly the stated ones, each source's count as the sequence says;
   - epoch mode: every rank the same batches, and ``len()`` counts the epoch from its start.
+The shards, the sequence and the batches as delivered are in tests/helpers/exactness_data.py,
+the checks in tests/helpers/exactness_checks.py.
 """
 
 from __future__ import annotations
 
 import gc
-import io
 import itertools
 import warnings
-import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import webdataset as wds
-from PIL import Image
 
 from tests.helpers import model as m
 from tests.helpers.exactness_cases import Case
-from wdsdist.data import Loader, Source, UserError
-from wdsdist.data.plan.mix import MixEpoch
-from wdsdist.data.plan.order import GLOBAL, epoch_order, node_parts, shard_order
-from wdsdist.data.plan.sequence import EpochShards
-from wdsdist.data.sources.index import index_path, write_index
+from tests.helpers.exactness_checks import check_coverage, check_pixels, check_steps
+from tests.helpers.exactness_data import Got, RankRun, Sequence, Shards, got, write_shards
+from wdsdist.data import Loader, UserError
+from wdsdist.data.plan.order import shard_order
 
 EPOCHS = 2  # epoch mode: every run reads epochs 0 and 1
 
 
-# ---------------------------------------------------------------- the data
-
-
-@dataclass
-class Shards:
-    """The case's shards on disk: what a Loader is given, and each shard's sample ids (labels)."""
-
-    spec: object
-    ids: list[range]  # per shard, in the loader's shard list's order
-    source: list[int]  # per sample id, its source
-
-    def labels_of(self, shard: int, first: int, stop: int) -> range:
-        return self.ids[shard][first:stop]
-
-
-_JPEG: list[bytes] = []
-
-
-def _jpeg() -> bytes:
-    if not _JPEG:
-        out = io.BytesIO()
-        Image.new("RGB", (8, 8), (90, 120, 150)).save(out, format="JPEG", quality=90)
-        _JPEG.append(out.getvalue())
-    return _JPEG[0]
-
-
-def write_shards(case: Case, root: Path) -> Shards:
-    ids, source, specs, n = [], [], [], 0
-    for s, data in enumerate(case.data):
-        folder = root / f"s{s}"
-        folder.mkdir(parents=True)
-        listed = []
-        for i, count in enumerate(data.counts):
-            path = folder / f"s{s}-{i:06d}.tar"
-            with wds.TarWriter(str(path)) as sink:
-                for j in range(count):
-                    sink.write({"__key__": f"k{n + j:06d}", "jpg": _jpeg(), "cls": str(n + j)})
-            listed.append((str(path), count))
-            ids.append(range(n, n + count))
-            source += [s] * count
-            n += count
-        specs.append(index_path(str(folder), f"s{s}"))
-        write_index(specs[-1], listed, name=f"s{s}")
-    if len(case.data) == 1:
-        return Shards(specs[0], ids, source)
-    sources = [
-        Source(f"s{s}", spec, **({d.setting: d.value} if d.setting else {}))
-        for s, (spec, d) in enumerate(zip(specs, case.data, strict=True))
-    ]
-    return Shards(sources, ids, source)
-
-
-# ---------------------------------------------------------------- what the sequence is
-
-
-@dataclass
-class Sequence:
-    """Each epoch's sequence as the library defines it (its shard order, a mix's windows and
-    padding): its length, its padding's positions, and the sample id at each position."""
-
-    case: Case
-    shards: Shards
-    mix: object  # the Loader's Mix, or None
-    cache: dict[int, tuple[int, list[int], object]] = field(default_factory=dict)
-    pixels: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (epoch, tag, size) -> its pixels' CRC
-
-    def _epoch(self, epoch: int) -> tuple[int, list[int], object]:
-        if epoch not in self.cache:
-            case, shards = self.case, self.shards
-            if self.mix is None:
-                counts = [len(r) for r in shards.ids]
-                order = epoch_order(node_parts(counts, GLOBAL, case.seed), case.seed, epoch)
-                _, (pieces,) = EpochShards(counts, order).reads([(0, sum(counts), 0)])
-                ids = [i for shard, a, b in pieces for i in shards.labels_of(shard, a, b)]
-                self.cache[epoch] = (len(ids), ids, m.cyclic(range(len(ids))))
-            else:
-                mixed = MixEpoch(self.mix, case.seed, epoch, case.batch)
-                which, pieces = mixed.reads([(0, mixed.total, 0)])
-                each = [iter([i for shard, a, b in p for i in shards.labels_of(shard, a, b)]) for p in pieces]
-                ids = [next(each[s]) for s in which.tolist()]
-                self.cache[epoch] = (mixed.total, ids, mixed.padding)
-        return self.cache[epoch]
-
-    def total(self, epoch: int) -> int:
-        return self._epoch(epoch)[0]
-
-    def padding(self, epoch: int):  # noqa: ANN201 (count -> positions)
-        return self._epoch(epoch)[2]
-
-    def sample(self, epoch: int, tag: int) -> int:
-        n, ids, _ = self._epoch(epoch)
-        return ids[tag % n]
-
-    def model(self) -> m.Sequence_:
-        return m.Sequence_(self.total, self.padding, self.case.batch, self.case.remainder)
-
-
 # ---------------------------------------------------------------- running the real loader
-
-
-@dataclass(frozen=True)
-class Got:
-    """One batch as the loader delivered it."""
-
-    epoch: int
-    worker: int
-    tags: tuple[int, ...]
-    labels: tuple[int, ...]
-    epochs: tuple[int, ...]
-    sources: tuple[int, ...] | None
-    pixels: tuple[int, ...]  # a CRC of each row's pixels: its crop's and augmentations' draws
-    size: int
-
-
-def got(batch: dict) -> Got:
-    ids = batch["id"].tolist()
-    epochs = tuple(e for e, _, _ in ids)
-    workers = {w for _, w, _ in ids}
-    assert len(workers) == 1, f"a batch holds rows of workers {sorted(workers)}"
-    sources = tuple(batch["source"].tolist()) if "source" in batch else None
-    pixels = tuple(zlib.crc32(image.contiguous().numpy().tobytes()) for image in batch["image"])
-    tags, labels = tuple(batch["pos"].tolist()), tuple(batch["label"].tolist())
-    return Got(epochs[0], workers.pop(), tags, labels, epochs, sources, pixels, batch["image"].shape[-1])
-
-
-@dataclass
-class RankRun:
-    steps: list[Got]
-    state: dict | None  # its state_dict() after ``stop`` steps
-    lens: dict[int, tuple[int, int]]  # epoch mode: epoch -> (len(), batches_done) as its iteration began
 
 
 def run_rank(loader: Loader, mode: str, stop: int | None, count: int | None) -> RankRun:
@@ -251,73 +118,6 @@ def repeat_count(full: list[list[m.Step]], through: int) -> int | None:
 
 
 # ---------------------------------------------------------------- the checks
-
-
-def check_steps(case: Case, seq: Sequence, shards: Shards, real: list[Got], want: list[m.Step], groups: Counter):
-    """A rank's batches against the model's (``groups``: every (worker, epoch, tag) the model's
-    workers read, in whole epochs, to hold shuffled batches to)."""
-    assert len(real) == len(want), f"{len(real)} batches delivered, the model says {len(want)}"
-    # Without a shuffle buffer each batch is the model's; mix=stratified makes a batch of each
-    # source's rows together, and in a re-split epoch its own batches to the shares (test_mix)
-    exact = case.buffer == 0 and case.mix != "stratified"
-    for i, (g, w) in enumerate(zip(real, want, strict=True)):
-        assert (g.worker, g.epoch) == (w.worker, w.epoch), (
-            f"batch {i}: worker, epoch {(g.worker, g.epoch)}, model {(w.worker, w.epoch)}"
-        )
-        mine = g.labels if case.split == "shards" else g.tags
-        assert not exact or mine == w.tags, f"batch {i}: {mine}, the model says {w.tags}"
-        if case.split == "samples":
-            named = tuple(seq.sample(e, t) for e, t in zip(g.epochs, g.tags, strict=True))
-            assert g.labels == named, f"batch {i}: samples {g.labels}, its positions name {named}"
-        if g.sources is not None:
-            assert g.sources == tuple(shards.source[x] for x in g.labels), f"batch {i}: sources {g.sources}"
-    if exact:
-        return
-    rows = Counter(
-        (g.worker, e, x)
-        for g in real
-        for e, x in zip(g.epochs, g.labels if case.split == "shards" else g.tags, strict=True)
-    )
-    for (worker, epoch, x), n in rows.items():  # a shuffle reorders within a worker's epoch only
-        assert n <= groups[worker, epoch, x], (
-            f"worker {worker} epoch {epoch}: {x} {n} times, the model {groups[worker, epoch, x]}"
-        )
-    # where the model's batches so far hold a worker's whole epoch, the run's hold all of it too
-    size = Counter((w, e) for w, e, _ in groups.elements())
-    taken = Counter((w.worker, e) for w in want for e in (w.epochs or (w.epoch,) * len(w.tags)))
-    for key in (k for k, n in taken.items() if n == size[k]):
-        got = sum(n for (w, e, _), n in rows.items() if (w, e) == key)
-        assert got == size[key], f"worker {key[0]} epoch {key[1]}: {got} of its {size[key]} samples delivered"
-
-
-def check_coverage(case: Case, seq: Sequence, delivered: dict[int, list[int]], epochs: range) -> None:
-    """Every epoch: each position once as itself; pad: none missing; drop: none twice."""
-    for epoch in epochs:
-        n, tags = seq.total(epoch), delivered.get(epoch, [])
-        itself = Counter(t for t in tags if t < n)
-        assert not itself or max(itself.values()) == 1, f"epoch {epoch}: a position twice as itself"
-        if case.remainder == "pad":
-            missing = set(range(n)) - {t % n for t in tags}
-            assert not missing, f"epoch {epoch}: positions {sorted(missing)[:10]} never delivered"
-        else:
-            assert all(t < n for t in tags) and len(tags) == len(set(tags)), f"epoch {epoch}: drop repeated one"
-
-
-def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict[tuple[int, int, int], int]) -> None:
-    """Each batch at its planned size (the size schedule: by epoch, or by the rank's batches since
-    the run began); with split=samples, a sample's pixels at a size the same whenever and wherever
-    it is delivered (its draws come from its epoch and position: seeds.sample_draws)."""
-    for rank, run in enumerate(runs):
-        for i, g in enumerate(run.steps):
-            want = case.size_at(g.epoch, steps_taken + i)
-            assert g.size == want, (
-                f"rank {rank} batch {steps_taken + i} (epoch {g.epoch}): size {g.size}, planned {want}"
-            )
-            if case.split != "samples":
-                continue
-            for e, t, crc in zip(g.epochs, g.tags, g.pixels, strict=True):
-                # keyed by size too: in repeat mode a sample's size is its batch's, which the layout decides
-                assert pixels.setdefault((e, t, g.size), crc) == crc, f"epoch {e} position {t}: other pixels"
 
 
 # ---------------------------------------------------------------- a case, from start to end
