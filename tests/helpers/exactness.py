@@ -6,13 +6,19 @@ group is needed). The driver writes real tar shards whose
 labels are sample ids, runs the real ``Loader`` with real worker processes on the first layout,
 takes every rank's ``state_dict()`` at a drawn step, resumes on the next layout (the same one or
 another), and so on; every rank's batches are held to the model (tests/helpers/model.py):
-  - each batch comes from the worker the model says, holds the tags it says (as a set per
+  - each batch comes from the worker the model says, holds the positions it says (as a set per
     worker and epoch where a shuffle buffer reorders them), and each label is the sample its
     tag names;
+  - each row stands for the position its seq names in its worker's stream (``positions``):
+    itself where that sample is good, a stand-in where it is lost (damaged, or its shard
+    unreadable: the case draws some), a good sample chosen from the loss alone, the loss
+    counted once per epoch, the damaged sample named;
   - on the same layout, a resumed run is batch for batch the uninterrupted one;
   - every epoch: each position once as itself, none missing (pad) or none twice (drop), the
-    padding rows exactly the stated ones, each source's count as the sequence says;
-  - epoch mode: every rank the same batches, and ``len()`` counts the epoch from its start.
+    padding rows exactly the stated ones, each source's count as the sequence says; no lost
+    position delivered as itself, the losses counted the lost positions read as themselves;
+  - epoch mode: every rank the same batches, and ``len()`` counts the epoch from its start,
+    whatever is lost.
 The shards, the sequence and the batches as delivered are in tests/helpers/exactness_data.py,
 the checks in tests/helpers/exactness_checks.py.
 """
@@ -24,15 +30,15 @@ import itertools
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.helpers import model as m
 from tests.helpers.exactness_cases import Case
-from tests.helpers.exactness_checks import check_coverage, check_pixels, check_steps
+from tests.helpers.exactness_checks import check_coverage, check_losses, check_pixels, check_steps
 from tests.helpers.exactness_data import Got, RankRun, Sequence, Shards, got, write_shards
 from wdsdist.data import Loader, UserError
-from wdsdist.data.plan.order import shard_order
+from wdsdist.data.plan.order import shard_order, shuffled_offsets
 
 EPOCHS = 2  # epoch mode: every run reads epochs 0 and 1
 
@@ -117,9 +123,6 @@ def repeat_count(full: list[list[m.Step]], through: int) -> int | None:
     return count if all(len(steps) >= count for steps in full) else None
 
 
-# ---------------------------------------------------------------- the checks
-
-
 # ---------------------------------------------------------------- a case, from start to end
 
 
@@ -132,6 +135,18 @@ class Layout_:
     seed: int  # the stream's seed (split=shards: reseeded on another layout)
     carried: dict[int, int]  # epoch -> batches per rank delivered in it on earlier layouts
     since: list[list[Got]]  # per rank, what this layout delivered so far (to the checkpoint)
+    streams: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # see positions()
+
+
+@dataclass
+class Delivered:
+    """What the run delivered, up to each checkpoint, each epoch: the positions its rows stand for
+    (their tags, where nothing is lost), each row's (position, tag, losses counted), and the
+    shards its batches named as failed reads."""
+
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    rows: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
 
 
 def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
@@ -145,7 +160,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
 
         mix = resolve_sources(shards.spec, mix_config(case.config(first.workers)))[1]  # type: ignore[arg-type]
     seq = Sequence(case, shards, mix)
-    delivered: dict[int, list[int]] = {}  # epoch -> every tag delivered, up to each checkpoint
+    delivered = Delivered()
     state, layout, previous = None, None, None
     steps_taken = 0
     for index, (world, workers) in enumerate(case.layouts):
@@ -157,7 +172,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 assert "\n" not in str(exc)
                 return "refused"
             raise AssertionError(f"the loader took {shape}, which leaves a worker without a batch")
-        layout = next_layout(case, seq, layout, shape, delivered, steps_taken)
+        layout = next_layout(case, seq, layout, shape, delivered.positions, steps_taken)
         full, groups, count, extra = [], [], None, 0
         while count is None:  # repeat mode: a worker with little data runs many epochs ahead
             extra = 2 * extra or 3
@@ -168,13 +183,7 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
         last = index == len(case.layouts) - 1
         stop = None if last else stop_at(count)
         runs = run_ranks(case, shards, shape, state, stop, count)
-        for rank, run in enumerate(runs):
-            # this layout's batches since it began, the ones before a same-layout resume included
-            mine = layout.since[rank] + run.steps
-            check_steps(case, seq, shards, mine, full[rank][: len(mine)], groups[rank])
-            assert len(run.steps) == count, f"rank {rank}: {len(run.steps)} batches, the model says {count}"
-            if case.mode == "epoch":
-                check_lens(layout, run, full[rank])
+        check_part(case, seq, shards, layout, runs, (full, groups, count))
         if previous is not None and previous[0] is layout:
             # the same layout: batch for batch the run that was not interrupted
             for rank, run in enumerate(runs):
@@ -182,25 +191,60 @@ def check_case(case: Case, stop_at: Callable[[int], int], root: Path) -> str:
                 n = min(len(straight), len(run.steps))
                 assert run.steps[:n] == straight[:n], f"rank {rank}: the resumed run left the uninterrupted one"
         check_pixels(case, runs, steps_taken, seq.pixels)
-        record(layout, runs, stop, delivered)
+        record(case, layout, runs, stop, delivered)
         if stop is not None:
             steps_taken += stop
             state = every_rank([run.state for run in runs])
         previous = (layout, runs, stop or 0)
     if case.split == "samples":
         final = range(EPOCHS) if case.mode == "epoch" else range(horizon(case, layout) + 1)
-        check_coverage(case, seq, delivered, final)
+        check_coverage(case, seq, delivered.positions, final)
+        check_losses(seq, shards, delivered.rows, delivered.failed)
     return "held"
 
 
-def record(layout: Layout_, runs: list[RankRun], stop: int | None, delivered: dict[int, list[int]]) -> None:
+def check_part(case: Case, seq: Sequence, shards: Shards, layout: Layout_, runs: list[RankRun], model: tuple) -> None:
+    """Every rank's batches on a layout against the model's (``model``: every rank's batches, its
+    workers' rows and the batches this part takes): the layout's batches since it began, the ones
+    before a same-layout resume included."""
+    full, groups, count = model
+    for rank, run in enumerate(runs):
+        mine = layout.since[rank] + run.steps
+        meant = [positions(case, layout, rank, g) for g in mine] if case.split == "samples" else []
+        check_steps(case, seq, shards, mine, meant, full[rank][: len(mine)], groups[rank])
+        assert len(run.steps) == count, f"rank {rank}: {len(run.steps)} batches, the model says {count}"
+        if case.mode == "epoch":
+            check_lens(layout, run, full[rank])
+
+
+def positions(case: Case, layout: Layout_, rank: int, g: Got) -> tuple[int, ...]:
+    """split=samples: the position each row of a rank's batch stands for, its seq's in its
+    worker's stream of the epoch: the worker's span of the layout's split, in the order its
+    shuffle buffer gives it (order.shuffled_offsets, the shuffle taken as given)."""
+    out = []
+    for e, s in zip(g.epochs, g.seqs, strict=True):
+        key = (rank, g.worker, e)
+        if key not in layout.streams:
+            span = [t for batch in layout.part.epoch(e)[1][rank, g.worker] for t in batch]  # type: ignore[union-attr]
+            offsets = shuffled_offsets(case.seed, case.buffer, rank, g.worker, e, len(span))
+            layout.streams[key] = [span[o] for o in offsets]
+        stream = layout.streams[key]
+        assert s < len(stream), f"rank {rank} worker {g.worker} epoch {e}: seq {s}, past its span of {len(stream)}"
+        out.append(stream[s])
+    return tuple(out)
+
+
+def record(case: Case, layout: Layout_, runs: list[RankRun], stop: int | None, delivered: Delivered) -> None:
     """What each rank delivered up to the checkpoint (all of it, in the last part): into the
-    layout's batches since it began, and each epoch's tags."""
+    layout's batches since it began, and each epoch's positions and rows."""
     for rank, run in enumerate(runs):
         layout.since[rank] += run.steps[:stop]
         for g in run.steps[:stop]:
-            for e, t in zip(g.epochs, g.tags, strict=True):
-                delivered.setdefault(e, []).append(t)
+            meant = positions(case, layout, rank, g) if case.split == "samples" else g.tags
+            for e, p, t, lost in zip(g.epochs, meant, g.tags, g.lost, strict=True):
+                delivered.positions.setdefault(e, []).append(p)
+                delivered.rows.setdefault(e, []).append((p, t, lost))
+            delivered.failed.update(g.failed)
 
 
 def run_ranks(

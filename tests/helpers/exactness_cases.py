@@ -42,12 +42,18 @@ class Case:
     augment: str = "none"  # data.augment
     erase: float = 0.0  # data.random_erase
     sizes: tuple[tuple[int, int], ...] = ()  # loader.size_schedule: (from, size), from epochs or batches
+    # lost samples (split=samples): sample ids (labels) whose image cannot be decoded, and shards
+    # (their index in the loader's shard list: the sources' in order) that cannot be read at all
+    damaged: tuple[int, ...] = ()
+    unreadable: tuple[int, ...] = ()
 
     def config(self, workers: int) -> LoaderConfig:
+        # max_bad: every loss is filled, however many (the limit is tests/test_damaged.py's)
         return LoaderConfig(
             batch_size=self.batch, workers=workers, mode=self.mode, split=self.split, remainder=self.remainder,
             shuffle_buffer=self.buffer, seed=self.seed, image_size=self.size_at(0, 10**9), mix=self.mix,
             epoch_samples=self.epoch_samples, augment=self.augment, random_erase=self.erase, size_schedule=self.sizes,
+            max_bad=1.0,
         )  # fmt: skip
 
     def size_at(self, epoch: int, batch: int) -> int:
@@ -73,7 +79,8 @@ def cases(draw: Callable) -> Case:
     """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
     buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
     weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too; the
-    recipe's augmentations (a policy, random erasing) and a size schedule."""
+    recipe's augmentations (a policy, random erasing) and a size schedule; now and then damaged
+    samples and an unreadable shard (split=samples)."""
     several = draw(st.integers(1, 3))
     data = []
     for _ in range(several):
@@ -128,6 +135,7 @@ def cases(draw: Callable) -> Case:
         epoch_samples=epoch_samples,
         layouts=tuple(layouts),
         **draw(recipe(mode, mix)),
+        **draw(damage(split, tuple(data))),  # drawn last: the cases drawn before it are drawn alike
     )
 
 
@@ -143,3 +151,35 @@ def recipe(draw: Callable, mode: str, mix: str) -> dict:
         "erase": draw(st.sampled_from([0.0, 0.0, 0.5])),
         "sizes": sizes,
     }
+
+
+@st.composite
+def damage(draw: Callable, split: str, data: tuple[Data, ...]) -> dict:
+    """Lost samples, in one split=samples case of four (split=shards cases stay whole): up to 3
+    damaged samples, at most a quarter of their data set's, and in half of these cases one shard
+    that cannot be read, in a data set of two shards or more, holding at most half of it. Every
+    epoch keeps good samples to stand in (a loss is filled from its own epoch, and the search for
+    a good one gives up after fill.TRIES tries): in a mix, the damage spares a source that every
+    epoch reads (one with no setting, or a number of samples); a mix without one stays whole."""
+    if split != "samples" or not draw(st.sampled_from([False, False, False, True])):
+        return {}
+    spared = next((s for s, d in enumerate(data) if d.setting in (None, "samples")), None)
+    if len(data) > 1 and spared is None:
+        return {}
+    shards, first = [], 0  # (source, shard index, its first sample id, its count)
+    for s, d in enumerate(data):
+        for count in d.counts:
+            shards.append((s, len(shards), first, count))
+            first += count
+    hurt = [x for x in shards if len(data) == 1 or x[0] != spared]
+    size = [sum(d.counts) for d in data]
+    whole = [x for x in hurt if len(data[x[0]].counts) > 1 and 2 * x[3] <= size[x[0]]]
+    unreadable = draw(st.sampled_from(whole)) if whole and draw(st.booleans()) else None
+    ids = [(s, i) for s, shard, a, n in hurt if unreadable is None or shard != unreadable[1] for i in range(a, a + n)]
+    room = [n // 4 for n in size]
+    damaged = []
+    for s, i in draw(st.lists(st.sampled_from(ids), max_size=3, unique=True)) if ids else []:
+        if room[s] > 0:
+            room[s] -= 1
+            damaged.append(i)
+    return {"damaged": tuple(sorted(damaged)), "unreadable": () if unreadable is None else (unreadable[1],)}

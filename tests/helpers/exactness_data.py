@@ -27,9 +27,19 @@ class Shards:
     spec: object
     ids: list[range]  # per shard, in the loader's shard list's order
     source: list[int]  # per sample id, its source
+    urls: list[str] = field(default_factory=list)  # per shard
+    damaged: frozenset[int] = frozenset()  # sample ids whose image cannot be decoded
+    unreadable: frozenset[int] = frozenset()  # shards that cannot be read at all
 
     def labels_of(self, shard: int, first: int, stop: int) -> range:
         return self.ids[shard][first:stop]
+
+    def shard_of(self, sample: int) -> int:
+        return next(s for s, r in enumerate(self.ids) if sample in r)
+
+    def name(self, sample: int) -> str:
+        """A damaged sample as ``batch["bad_samples"]`` names it: its shard's URL and its key."""
+        return f"{self.urls[self.shard_of(sample)]} k{sample:06d}"
 
 
 _JPEG: list[bytes] = []
@@ -44,7 +54,9 @@ def _jpeg() -> bytes:
 
 
 def write_shards(case: Case, root: Path) -> Shards:
-    ids, source, specs, n = [], [], [], 0
+    """The case's shards and their indexes; its damaged samples' image bytes are garbage (they
+    fail to decode), its unreadable shards not tars at all (the indexes count them all the same)."""
+    ids, source, specs, urls, n = [], [], [], [], 0
     for s, data in enumerate(case.data):
         folder = root / f"s{s}"
         folder.mkdir(parents=True)
@@ -53,20 +65,25 @@ def write_shards(case: Case, root: Path) -> Shards:
             path = folder / f"s{s}-{i:06d}.tar"
             with wds.TarWriter(str(path)) as sink:
                 for j in range(count):
-                    sink.write({"__key__": f"k{n + j:06d}", "jpg": _jpeg(), "cls": str(n + j)})
+                    image = b"not an image " * 8 if n + j in case.damaged else _jpeg()
+                    sink.write({"__key__": f"k{n + j:06d}", "jpg": image, "cls": str(n + j)})
+            if len(urls) in case.unreadable:
+                path.write_bytes(b"not a tar file\n" * 64)
             listed.append((str(path), count))
+            urls.append(str(path))
             ids.append(range(n, n + count))
             source += [s] * count
             n += count
         specs.append(index_path(str(folder), f"s{s}"))
         write_index(specs[-1], listed, name=f"s{s}")
+    lost = {"urls": urls, "damaged": frozenset(case.damaged), "unreadable": frozenset(case.unreadable)}
     if len(case.data) == 1:
-        return Shards(specs[0], ids, source)
+        return Shards(specs[0], ids, source, **lost)
     sources = [
         Source(f"s{s}", spec, **({d.setting: d.value} if d.setting else {}))
         for s, (spec, d) in enumerate(zip(specs, case.data, strict=True))
     ]
-    return Shards(sources, ids, source)
+    return Shards(sources, ids, source, **lost)
 
 
 # ---------------------------------------------------------------- what the sequence is
@@ -82,6 +99,8 @@ class Sequence:
     mix: object  # the Loader's Mix, or None
     cache: dict[int, tuple[int, list[int], object]] = field(default_factory=dict)
     pixels: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (epoch, tag, size) -> its pixels' CRC
+    stood: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, lost position) -> its stand-in's tag
+    losses: dict[int, frozenset[int]] = field(default_factory=dict)  # epoch -> its lost positions
 
     def _epoch(self, epoch: int) -> tuple[int, list[int], object]:
         if epoch not in self.cache:
@@ -110,6 +129,14 @@ class Sequence:
         n, ids, _ = self._epoch(epoch)
         return ids[tag % n]
 
+    def lost(self, epoch: int) -> frozenset[int]:
+        """The epoch's positions whose sample is lost: damaged, or in a shard that cannot be read."""
+        if epoch not in self.losses:
+            n, ids, _ = self._epoch(epoch)
+            hurt = self.shards.damaged | {i for s in self.shards.unreadable for i in self.shards.ids[s]}
+            self.losses[epoch] = frozenset(p for p, i in enumerate(ids) if i in hurt)
+        return self.losses[epoch]
+
     def model(self) -> m.Sequence_:
         return m.Sequence_(self.total, self.padding, self.case.batch, self.case.remainder)
 
@@ -126,6 +153,13 @@ class Got:
     sources: tuple[int, ...] | None
     pixels: tuple[int, ...]  # a CRC of each row's pixels: its crop's and augmentations' draws
     size: int
+    seqs: tuple[int, ...]  # each row's number in its worker's stream of the epoch (``id``'s last)
+    lost: tuple[int, ...]  # each row's losses counted (``bad[:, 0]``)
+    named: tuple[str, ...]  # the damaged samples the batch names (``bad_samples``)
+    # the shard reads that failed (``bad[:, 1]``) and their URLs: a resumed worker reads such a
+    # shard again, so the batch after a checkpoint may count it where the uninterrupted run did not
+    reads: tuple[int, ...] = field(default=(), compare=False)
+    failed: tuple[str, ...] = field(default=(), compare=False)
 
 
 def got(batch: dict) -> Got:
@@ -136,7 +170,12 @@ def got(batch: dict) -> Got:
     sources = tuple(batch["source"].tolist()) if "source" in batch else None
     pixels = tuple(zlib.crc32(image.contiguous().numpy().tobytes()) for image in batch["image"])
     tags, labels = tuple(batch["pos"].tolist()), tuple(batch["label"].tolist())
-    return Got(epochs[0], workers.pop(), tags, labels, epochs, sources, pixels, batch["image"].shape[-1])
+    bad = batch["bad"].tolist()
+    return Got(
+        epochs[0], workers.pop(), tags, labels, epochs, sources, pixels, batch["image"].shape[-1],
+        seqs=tuple(s for _, _, s in ids), lost=tuple(b for b, _ in bad), named=tuple(batch["bad_samples"]),
+        reads=tuple(r for _, r in bad), failed=tuple(batch["bad_shards"]),
+    )  # fmt: skip
 
 
 @dataclass

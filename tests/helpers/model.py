@@ -20,6 +20,15 @@ mode, began its part in) to the newest one a worker delivered from, or an earlie
 (begun or not); one that gives no batch (nothing left, or less than a batch per rank with drop)
 at the front is over.
 
+A position whose sample cannot be delivered (it cannot be decoded, or its shard cannot be read)
+is lost, and its row is a stand-in: a good position q of the same epoch, tagged N + q like
+padding, chosen from the epoch and the lost position (mod N) alone, so every layout and resume
+fills a loss alike. The search starts at a position drawn from them (seeds.sample_fill, taken as
+given) and takes the first good one from there (in a mix, where the search jumps past a shard
+that fails, the first one only is said). The row counts the loss where the lost position is read
+as itself, not where it is read again as padding. Nothing else changes: the batches, their
+workers and len() are the undamaged run's.
+
 split=shards (repeat mode): rank r reads shards[r::W], its worker j those [j::w]; each epoch a
 worker reads its shards in the epoch's order, and its batches run on across epochs.
 
@@ -31,7 +40,7 @@ positions and epoch lengths, and the epoch's shard order.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -195,6 +204,25 @@ def resplit(
         start = epoch + 1
         del out[epoch]
     return start, out
+
+
+def stand_in(n: int, first: int, lost: Container[int], one_source: bool) -> int | None:
+    """The tag of the row that fills a lost position of an epoch of ``n`` positions, ``lost``
+    of them, whose search starts at ``first``: n + the first good position from there, in turn
+    (one data set); in a mix, past a lost ``first``, None (any good one)."""
+    if first not in lost:
+        return n + first
+    if not one_source:
+        return None
+    q = first
+    while q in lost:  # an epoch always has a good position (exactness_cases.damage)
+        q = (q + 1) % n
+    return n + q
+
+
+def counted(tag: int, n: int, lost: Container[int]) -> int:
+    """The losses the row of position ``tag`` counts: one where it is a lost position read as itself."""
+    return int(tag < n and tag in lost)
 
 
 def shard_rows(
