@@ -33,6 +33,7 @@ def worker(job: int, examples: int, minutes: float | None, seed: int) -> int:
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import seed as seeded
     from hypothesis import strategies as st
+    from hypothesis.errors import HypothesisException
 
     from tests.helpers.exactness import check_case
     from tests.helpers.exactness_cases import cases
@@ -41,17 +42,23 @@ def worker(job: int, examples: int, minutes: float | None, seed: int) -> int:
     logging.getLogger("wdsdist.data.delivery.workers").setLevel(logging.ERROR)  # damaged cases skip on purpose
     start = time.monotonic()
     stop = start + minutes * 60 if minutes else None
-    counts = {"examples": 0, "refused": 0, "lost": 0, "unreadable": 0}
+    counts = {"examples": 0, "refused": 0, "lost": 0, "unreadable": 0, "failed": 0}
     said = [start]
 
     def one(case, data) -> None:  # noqa: ANN001 (hypothesis' values)
         now = time.monotonic()
-        assume(counts["examples"] < examples and (stop is None or now < stop))
+        # Once a case failed, hypothesis replays and shrinks it: past the quota or the time too (a
+        # replay refused here would be reported as a flaky assumption, and the failure lost).
+        assume(counts["failed"] or counts["examples"] < examples and (stop is None or now < stop))
         if now - said[0] >= 30:
             said[0] = now
             print(f"fuzz[{job}]: {counts['examples']} examples, {_clock(now - start)}", flush=True)
         with tempfile.TemporaryDirectory(prefix="fuzz-") as root:
-            outcome = check_case(case, lambda n: data.draw(st.integers(0, n), label="checkpoint after"), Path(root))
+            try:
+                outcome = check_case(case, lambda n: data.draw(st.integers(0, n), label="checkpoint after"), Path(root))
+            except Exception as exc:
+                counts["failed"] |= not isinstance(exc, HypothesisException)
+                raise
         counts["examples"] += 1
         counts["refused"] += outcome == "refused"
         counts["lost"] += outcome == "held" and bool(case.damaged or case.unreadable)
