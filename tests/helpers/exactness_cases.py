@@ -155,13 +155,14 @@ def recipe(draw: Callable, mode: str, mix: str) -> dict:
 
 @st.composite
 def damage(draw: Callable, split: str, data: tuple[Data, ...]) -> dict:
-    """Lost samples, in one split=samples case of four (split=shards cases stay whole): up to 3
-    damaged samples, at most a quarter of their data set's, and in half of these cases one shard
-    that cannot be read, in a data set of two shards or more, holding at most half of it. Every
-    epoch keeps good samples to stand in (a loss is filled from its own epoch, and the search for
-    a good one gives up after fill.TRIES tries): in a mix, the damage spares a source that every
-    epoch reads (one with no setting, or a number of samples); a mix without one stays whole."""
-    if split != "samples" or not draw(st.sampled_from([False, False, False, True])):
+    """Lost samples, drawn for half of the split=samples cases (split=shards cases stay whole):
+    up to 3 damaged samples, at most a quarter of their data set's, and in half of these cases one
+    shard that cannot be read, in a data set of two shards or more, holding at most half of it.
+    Every epoch keeps good samples to stand in (a loss is filled from its own epoch, and the
+    search for a good one gives up after fill.TRIES tries): in a mix, the damage spares a source
+    that every epoch reads (one with no setting, or a number of samples); a mix without one stays
+    whole. About one case in six loses samples, one in twelve a shard."""
+    if split != "samples" or not draw(st.booleans()):
         return {}
     spared = next((s for s, d in enumerate(data) if d.setting in (None, "samples")), None)
     if len(data) > 1 and spared is None:
