@@ -120,9 +120,10 @@ def check_pixels(case: Case, runs: list[RankRun], steps_taken: int, pixels: dict
 
 def check_losses(seq: Sequence, shards: Shards, runs: dict[int, list[tuple[int, int, int]]], failed: set[str]) -> None:
     """Every epoch's rows (``runs``: epoch -> (position meant, tag, losses counted) of each row
-    delivered): each good position once as itself, no lost one as itself, and the losses counted
-    the lost positions read as themselves (one read as padding only is not counted); ``failed``: the shards the
-    batches named, every unreadable one that a delivered row stands for among them."""
+    delivered): each good position once as itself, no lost one as itself, and as many losses
+    counted as lost positions read as themselves (one read as padding only is not counted).
+    ``failed``: the shards the batches named; among them, every unreadable one that a delivered
+    row stands for."""
     for epoch, rows in sorted(runs.items()):
         n, gone = seq.total(epoch), seq.lost(epoch)
         itself = Counter(t for _, t, _ in rows if t < n)

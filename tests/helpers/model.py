@@ -26,8 +26,8 @@ padding, chosen from the epoch and the lost position (mod N) alone, so every lay
 fills a loss alike. The search starts at a position drawn from them (seeds.sample_fill, taken as
 given) and takes the first good one from there (in a mix, where the search jumps past a shard
 that fails, the first one only is said). The row counts the loss where the lost position is read
-as itself, not where it is read again as padding. Nothing else changes: the batches, their
-workers and len() are the undamaged run's.
+as itself, not where it is read again as padding, and delivers the lost position as a re-split
+counts it. Nothing else changes: the batches, their workers and len() are the undamaged run's.
 
 split=shards (repeat mode): rank r reads shards[r::W], its worker j those [j::w]; each epoch a
 worker reads its shards in the epoch's order, and its batches run on across epochs.
