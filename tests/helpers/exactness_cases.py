@@ -75,12 +75,12 @@ def _fixed(data: Data) -> int:
 
 
 @st.composite
-def cases(draw: Callable) -> Case:
+def cases(draw: Callable, lossy: bool = True) -> Case:
     """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
     buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
     weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too; the
-    recipe's augmentations (a policy, random erasing) and a size schedule; now and then damaged
-    samples and an unreadable shard (split=samples)."""
+    recipe's augmentations (a policy, random erasing) and a size schedule; ``lossy``: now and then
+    damaged samples and an unreadable shard (split=samples; ``damage``)."""
     several = draw(st.integers(1, 3))
     data = []
     for _ in range(several):
@@ -135,7 +135,7 @@ def cases(draw: Callable) -> Case:
         epoch_samples=epoch_samples,
         layouts=tuple(layouts),
         **draw(recipe(mode, mix)),
-        **draw(damage(split, tuple(data))),  # drawn last: the cases drawn before it are drawn alike
+        **(draw(damage(split, tuple(data))) if lossy else {}),  # drawn last: what is drawn before it stays
     )
 
 
