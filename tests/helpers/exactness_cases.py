@@ -78,9 +78,8 @@ def _fixed(data: Data) -> int:
 def cases(draw: Callable, lossy: bool = True) -> Case:
     """Layouts of 1-5 ranks x 0-4 workers, batch 1-17, uneven shards (1-sample ones too), shuffle
     buffers up to twice a worker's span, pad and drop, epoch and repeat mode, 1-3 sources with a
-    weight, repeat or samples, mix=sample or stratified; split=shards in repeat mode too; the
-    recipe's augmentations (a policy, random erasing) and a size schedule; ``lossy``: now and then
-    damaged samples and an unreadable shard (split=samples; ``damage``)."""
+    weight, repeat or samples, mix=sample or stratified, split=shards in repeat mode too, the
+    recipe's augmentations and size schedule, and with ``lossy`` lost samples (``damage``)."""
     several = draw(st.integers(1, 3))
     data = []
     for _ in range(several):
@@ -134,8 +133,7 @@ def cases(draw: Callable, lossy: bool = True) -> Case:
         seed=draw(st.integers(0, 999)),
         epoch_samples=epoch_samples,
         layouts=tuple(layouts),
-        **draw(recipe(mode, mix)),
-        **(draw(damage(split, tuple(data))) if lossy else {}),  # drawn last: what is drawn before it stays
+        **(draw(recipe(mode, mix)) | draw(damage(split, tuple(data), lossy))),  # losses last: the draws before stay
     )
 
 
@@ -154,7 +152,7 @@ def recipe(draw: Callable, mode: str, mix: str) -> dict:
 
 
 @st.composite
-def damage(draw: Callable, split: str, data: tuple[Data, ...]) -> dict:
+def damage(draw: Callable, split: str, data: tuple[Data, ...], lossy: bool = True) -> dict:
     """Lost samples, drawn for half of the split=samples cases (split=shards cases stay whole):
     up to 3 damaged samples, at most a quarter of their data set's, and in half of these cases one
     shard that cannot be read, in a data set of two shards or more, holding at most half of it.
@@ -162,8 +160,8 @@ def damage(draw: Callable, split: str, data: tuple[Data, ...]) -> dict:
     search for a good one gives up after fill.TRIES tries): in a mix, the damage spares a source
     that every epoch reads (one with no setting, or a number of samples); a mix without one stays
     whole. Of 1,000 cases drawn, about one in six lost samples and one in twelve a shard (fewer
-    in ./run fuzz, whose rounds begin with their simplest cases)."""
-    if split != "samples" or not draw(st.booleans()):
+    in ./run fuzz, whose rounds begin with their simplest cases). Without ``lossy``, none."""
+    if not lossy or split != "samples" or not draw(st.booleans()):
         return {}
     spared = next((s for s, d in enumerate(data) if d.setting in (None, "samples")), None)
     if len(data) > 1 and spared is None:
