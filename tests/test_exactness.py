@@ -117,6 +117,12 @@ FOUND = {
         case((Data((1, 1, 1)),), 1, ((1, 0), (2, 0)), mode="repeat", sizes=((0, 8), (1, 12))),
         [0],
     ),
+    # found by the fuzz with losses: in repeat mode a rank's epoch for max_bad was total / world,
+    # fewer than the positions it reads as themselves (its span), so max_bad=1 stopped it
+    "max_bad of a repeat-mode rank's whole span": (
+        case((Data((5, 4)),), 2, ((3, 0), (3, 0), (3, 0)), mode="repeat", unreadable=(1,)),
+        [0, 0],
+    ),
 }
 
 

@@ -157,10 +157,15 @@ class RankLoader:
         self.limit = LossLimit(cfg, self._per_epoch()) if self.dataset.fills else None
 
     def _per_epoch(self) -> int | None:
-        """A rank's samples in an epoch, where the counts are known."""
+        """A rank's samples in an epoch, where the counts are known: what it delivers (epoch mode),
+        or all that its workers read in an epoch's pass (repeat mode: its span, padding included,
+        or its shards, as many times as dsrepeat says)."""
         if self.plan_batches is not None:
             return self.plan_batches * self.cfg.batch_size
-        return -(-self.plan.total_samples // self.world) if self.plan is not None else None
+        if self.plan is None:
+            return None
+        mine = self.plan.ranks[self.rank]
+        return max(mine.samples, mine.batches * self.cfg.batch_size)
 
     def total_of(self, epoch: int) -> int:
         """split=samples: the positions of ``epoch`` (N; padding is tagged N and up)."""
