@@ -27,6 +27,7 @@ import ctypes
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image, ImageStat
 from torchvision.transforms import v2
@@ -179,10 +180,14 @@ def _recorded_table(policy: Any, recorder: _Recorder, op: str, magnitude: float)
     )
     if not recorder.asked or recorder.asked[0] != "point" or recorder.asked[2] is not None:
         return None
-    lut = torch.tensor(recorder.asked[1], dtype=torch.float64).trunc_()
-    lut = lut.repeat(3) if len(lut) == 256 else lut
-    # Image.point's table for 8-bit bands: each entry made an integer, then clipped to 0..255
-    return lut.clamp_(0, 255).to(torch.uint8).numpy().tobytes() if len(lut) == 768 else None
+    lut = list(recorder.asked[1])
+    lut = lut * 3 if len(lut) == 256 else lut
+    if len(lut) != 768:
+        return None
+    try:
+        return bytes(lut)  # integers in 0..255, as most of ImageOps' tables are
+    except (TypeError, ValueError):  # Image.point's way: each entry made an integer, then clipped
+        return np.array(lut).astype(np.int64).clip(0, 255).astype(np.uint8).tobytes()
 
 
 def _colour(lib: ctypes.CDLL, hwc: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:

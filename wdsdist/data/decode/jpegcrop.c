@@ -140,6 +140,8 @@ void augment_affine(const unsigned char *in, int w, int h, unsigned char *out, c
     shift(in, w, h, out, (int)a[2], (int)a[5], fill);
     return;
   }
+  double u8[256]; /* each byte as a double: a load instead of a conversion, the same values */
+  for (int v = 0; v < 256; v++) u8[v] = v;
   for (int y = 0; y < h; y++) {
     const double yx = a[1] * (y + 0.5), yy = a[4] * (y + 0.5);
     for (int x = 0; x < w; x++) {
@@ -160,13 +162,13 @@ void augment_affine(const unsigned char *in, int w, int h, unsigned char *out, c
       /* Where a weight is 0 (a shear's rows or columns), v + (u - v) * 0 is v: the same value
          without the work. */
       if (dy == 0.0) {
-        for (int b = 0; b < 3; b++) o[b] = (unsigned char)(r0[x0 + b] + (r0[x1 + b] - r0[x0 + b]) * dx);
+        for (int b = 0; b < 3; b++) o[b] = (unsigned char)(u8[r0[x0 + b]] + (u8[r0[x1 + b]] - u8[r0[x0 + b]]) * dx);
       } else if (dx == 0.0) {
-        for (int b = 0; b < 3; b++) o[b] = (unsigned char)(r0[x0 + b] + (r1[x0 + b] - r0[x0 + b]) * dy);
+        for (int b = 0; b < 3; b++) o[b] = (unsigned char)(u8[r0[x0 + b]] + (u8[r1[x0 + b]] - u8[r0[x0 + b]]) * dy);
       } else {
         for (int b = 0; b < 3; b++) {
-          double v1 = r0[x0 + b] + (r0[x1 + b] - r0[x0 + b]) * dx;
-          double v2 = r1[x0 + b] + (r1[x1 + b] - r1[x0 + b]) * dx;
+          double v1 = u8[r0[x0 + b]] + (u8[r0[x1 + b]] - u8[r0[x0 + b]]) * dx;
+          double v2 = u8[r1[x0 + b]] + (u8[r1[x1 + b]] - u8[r1[x0 + b]]) * dx;
           o[b] = (unsigned char)(v1 + (v2 - v1) * dy);
         }
       }
@@ -192,9 +194,8 @@ void augment_sharpness(const unsigned char *restrict in, int w, int h, unsigned 
       int sum = up[i - 3] + up[i] + up[i + 3] + mid[i - 3] + 5 * mid[i] + mid[i + 3] + down[i - 3] + down[i] +
                 down[i + 3];
       int smooth = (int)((float)(2 * sum + 13) * (1.0f / 26.0f));
-      float t = (float)(smooth + factor * (mid[i] - smooth));
-      t = t <= 0.0f ? 0.0f : t >= 255.0f ? 255.0f : t;
-      o[i] = (unsigned char)(int)t;
+      int v = (int)(float)(smooth + factor * (mid[i] - smooth)); /* as in augment_color */
+      o[i] = v < 0 ? 0 : v > 255 ? 255 : v;
     }
   }
 }
@@ -240,8 +241,10 @@ void augment_color(const unsigned char *restrict in, int n, unsigned char *restr
     const unsigned char *p = in + (size_t)i * 3;
     int luma = LUMA(p);
     for (int b = 0; b < 3; b++) {
-      float t = (float)(luma + alpha * (p[b] - luma));
-      out[i * 3 + b] = t <= 0.0f ? 0 : t >= 255.0f ? 255 : (unsigned char)t;
+      /* Blend.c clamps the float; truncating first and clamping the integer gives the same byte
+         (a value in (-1, 0) truncates to 0) without branches, which random pixels mispredict. */
+      int v = (int)(float)(luma + alpha * (p[b] - luma));
+      out[i * 3 + b] = v < 0 ? 0 : v > 255 ? 255 : v;
     }
   }
 }
