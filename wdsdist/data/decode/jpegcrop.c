@@ -130,18 +130,44 @@ static void shift(const unsigned char *in, int w, int h, unsigned char *out, int
   }
 }
 
+/* augment_affine where yin = y + 0.5 exactly: only xin varies, and PIL's vertical weight is 0. */
+static void shear_rows(const unsigned char *in, int w, int h, unsigned char *out, const double *a,
+                       const unsigned char *fill, const double *u8) {
+  for (int y = 0; y < h; y++) {
+    const double yx = a[1] * (y + 0.5);
+    const unsigned char *r = in + (size_t)y * w * 3;
+    unsigned char *o = out + (size_t)y * w * 3;
+    for (int x = 0; x < w; x++, o += 3) {
+      double xin = a[0] * (x + 0.5) + yx + a[2];
+      if (xin < 0.0 || xin >= w) {
+        o[0] = fill[0], o[1] = fill[1], o[2] = fill[2];
+        continue;
+      }
+      xin -= 0.5;
+      int xi = FLOOR(xin);
+      double dx = xin - xi;
+      int x0 = CLIP(xi, w) * 3, x1 = CLIP(xi + 1, w) * 3;
+      for (int b = 0; b < 3; b++) o[b] = (unsigned char)(u8[r[x0 + b]] + (u8[r[x1 + b]] - u8[r[x0 + b]]) * dx);
+    }
+  }
+}
+
 /* Image.transform(AFFINE, a, BILINEAR): ImagingGenericTransform with affine_transform and
    bilinear_filter32RGB (Pillow's Geometry.c). Output pixels whose source falls outside the image
    take ``fill``. */
 void augment_affine(const unsigned char *in, int w, int h, unsigned char *out, const double *a,
                     const unsigned char *fill) {
-  if (a[0] == 1.0 && a[1] == 0.0 && a[3] == 0.0 && a[4] == 1.0 && a[2] == (int)a[2] && a[5] == (int)a[5] &&
-      a[2] > -w && a[2] < w && a[5] > -h && a[5] < h) {
+  if (a[0] == 1.0 && a[1] == 0.0 && a[3] == 0.0 && a[4] == 1.0 && a[2] > -w && a[2] < w && a[5] > -h &&
+      a[5] < h && a[2] == (int)a[2] && a[5] == (int)a[5]) {
     shift(in, w, h, out, (int)a[2], (int)a[5], fill);
     return;
   }
   double u8[256]; /* each byte as a double: a load instead of a conversion, the same values */
   for (int v = 0; v < 256; v++) u8[v] = v;
+  if (a[3] == 0.0 && a[4] == 1.0 && a[5] == 0.0) { /* ShearX: the source row is y itself (dy 0) */
+    shear_rows(in, w, h, out, a, fill, u8);
+    return;
+  }
   for (int y = 0; y < h; y++) {
     const double yx = a[1] * (y + 0.5), yy = a[4] * (y + 0.5);
     for (int x = 0; x < w; x++) {
