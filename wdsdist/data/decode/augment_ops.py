@@ -47,7 +47,8 @@ _PIL_BILINEAR = 2  # Image.Resampling.BILINEAR, as torchvision hands it to Image
 
 class _Recorder(Image.Image):
     """A PIL image of a size and no pixels: what torchvision's functional ops ask of it (an
-    affine ``transform``, a ``transpose``, a ``copy``) is recorded, not done."""
+    affine ``transform``, a ``transpose``, a ``copy``, a table's ``point``) is recorded, not done;
+    its ``histogram`` is the one it is given (the crop's)."""
 
     def __init__(self, width: int, height: int, counts: list[int] | None = None):
         super().__init__()
@@ -116,7 +117,7 @@ class Crop:
         if self._tensor is None:
             pil = self._pil
             width, height = pil.size  # type: ignore[union-attr]
-            data = bytearray(pil.tobytes())  # type: ignore[union-attr]  # writable: erasing may write into it
+            data = bytearray(pil.tobytes())  # type: ignore[union-attr]  # writable, as any crop is
             self._tensor = torch.frombuffer(data, dtype=torch.uint8).view(height, width, 3).permute(2, 0, 1)
         return self._tensor
 
@@ -135,9 +136,13 @@ class Crop:
         self._tensor, self._pil = (image, None) if tensor else (None, image)  # type: ignore[assignment]
 
 
-def _geometric(lib: ctypes.CDLL, hwc: torch.Tensor, op: str, magnitude: float, interpolation) -> torch.Tensor | None:
+def _geometric(lib: ctypes.CDLL, hwc: torch.Tensor, op: str, magnitude: float, policy: Any) -> torch.Tensor | None:
+    """The affine op by augment_affine; None where PIL must make it (a fill other than the
+    policies' default black, which affine_of assumes; a transpose; another interpolation)."""
+    if getattr(policy, "fill", None) is not None:
+        return None
     height, width = hwc.shape[0], hwc.shape[1]
-    affine = affine_of(op, float(magnitude), width, height, interpolation)
+    affine = affine_of(op, float(magnitude), width, height, policy.interpolation)
     if affine is None:
         return None
     if not affine:
@@ -213,7 +218,7 @@ def _ours(policy: Any, lib: ctypes.CDLL, crop: Crop, op: str, magnitude: float) 
     """The op by the C kernels into ``crop``; False where PIL must make it."""
     hwc = crop.hwc()
     if op in GEOMETRIC:
-        out = _geometric(lib, hwc, op, magnitude, policy.interpolation)
+        out = _geometric(lib, hwc, op, magnitude, policy)
     elif op in TABLES:
         lut = _table(policy, hwc, op, magnitude, lib)
         out = None
