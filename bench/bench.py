@@ -22,7 +22,10 @@ bench/photos.py), each written once as shards
 and as an ImageFolder tree. The peers run in .bench-venv/ (bench/requirements-peers.txt, made
 here when missing or when that file changes; bench/peervenv.py), each converting the images to
 its own format once (cached under the data set's folder, peers/NAME/). Work: RandomResizedCrop
-(224) + horizontal flip, uint8 batches of 64, W workers.
+(224) + horizontal flip, uint8 batches of 64, W workers. With --augment trivialaugment or
+randaugment, the policy follows the flip in every contender that can apply it, each its own way
+(contenders.py WITH_POLICY; --peers then adds ImageFolder's and WebDataset's pipelines, and for
+randaugment timm's loader); the others are named as left out, in the table and the JSON.
 """
 # Every contender runs as a subprocess of this same file (--run, --convert), so the data, the
 # contenders and the table stay one command; what runs in a contender's process is contenders.py,
