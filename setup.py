@@ -28,8 +28,8 @@ setup(
         Extension(
             "wdsdist.data.decode._jpegcrop",
             sources=[str(SOURCE)],
-            libraries=["jpeg"],
-            extra_compile_args=["-O3", f'-DJPEGCROP_TAG="{TAG}"'],
+            libraries=["jpeg", "m"],
+            extra_compile_args=["-O3", "-ffp-contract=off", f'-DJPEGCROP_TAG="{TAG}"'],
             optional=True,
         )
     ],

@@ -22,7 +22,10 @@ bench/photos.py), each written once as shards
 and as an ImageFolder tree. The peers run in .bench-venv/ (bench/requirements-peers.txt, made
 here when missing or when that file changes; bench/peervenv.py), each converting the images to
 its own format once (cached under the data set's folder, peers/NAME/). Work: RandomResizedCrop
-(224) + horizontal flip, uint8 batches of 64, W workers.
+(224) + horizontal flip, uint8 batches of 64, W workers. With --augment trivialaugment or
+randaugment, the policy follows the flip in every contender that can apply it, each its own way
+(contenders.py WITH_POLICY; --peers then adds ImageFolder's and WebDataset's pipelines, and for
+randaugment timm's loader); the others are named as left out, in the table and the JSON.
 """
 # Every contender runs as a subprocess of this same file (--run, --convert), so the data, the
 # contenders and the table stay one command; what runs in a contender's process is contenders.py,
@@ -47,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import peervenv  # noqa: E402  (bench/, beside this file)
 import predicting  # noqa: E402
-from contenders import PEERS, run_one  # noqa: E402
+from contenders import AUGMENTS, LEFT_OUT, PEERS, WITH_POLICY, run_one  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from memory import evict_libraries  # noqa: E402
 
@@ -66,6 +69,7 @@ CONTENDERS = (
     "predict",
     "predict-loader",
     "predict-model",
+    "timm",
 )
 # With --peers: ours, the limits and the peers (the seed and our variants are in the default run).
 WITH_PEERS = ("ours", "limit", "ours-work", "ours-work-together", *PEERS)
@@ -91,6 +95,7 @@ LABELS = {
     "ffcv": "(i) FFCV: .beton + RandomResizedCropRGBDecoder",
     "wids": "(j) wids: ShardListDataset + ChunkedSampler",
     "spdl": "(k) SPDL: PipelineBuilder + FFmpeg, threads",
+    "timm": "(l) timm: create_dataset + create_loader",
 }
 
 
@@ -170,7 +175,7 @@ def run_contender(name: str, dataset: str, args: argparse.Namespace, tree: Path 
     cmd = [python, __file__, "--run", name, "--set", dataset, "--images", str(args.images)]
     cmd += ["--workers", str(args.workers), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     cmd += ["--batches", str(args.batches), "--limit-seconds", str(args.limit_seconds), "--data", args.data]
-    cmd += ["--tree", str(tree)]
+    cmd += ["--tree", str(tree), "--augment", args.augment]
     if hasattr(os, "posix_fadvise") and not args.keep_page_cache:
         evict_libraries(python)
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tree)))
@@ -239,6 +244,13 @@ def parse_args() -> argparse.Namespace:
         help="conversion to shards instead of loading, on the photos set: ours (1 and 2 workers), webdataset's "
         "ShardWriter, LitData's optimize (bench/conversion.py; --images, --repeat)",
     )
+    p.add_argument(
+        "--augment",
+        choices=AUGMENTS,
+        default="none",
+        help="the policy after crop and flip, in every contender that can apply it (the others are named as "
+        "left out); randaugment is 2 ops at magnitude 9, and adds timm's loader (l) (default: %(default)s)",
+    )
     p.add_argument("--run", choices=CONTENDERS + PEERS, help=argparse.SUPPRESS)  # internal: one contender
     p.add_argument("--tree", help=argparse.SUPPRESS)  # internal: the checkout whose wdsdist it runs
     p.add_argument("--set", choices=DATASETS, default="noise", help=argparse.SUPPRESS)  # internal: its data set
@@ -306,7 +318,8 @@ def print_table(results: dict[str, dict], args: argparse.Namespace, info: dict) 
     )
     print(
         f"\n{info['dataset']}: {args.images} JPEGs ({info['mean_kb']} KB mean, {info['size']}), "
-        f"RandomResizedCrop(224) + flip, batch {args.batch}, {args.workers} workers, {os.cpu_count()} cores, "
+        f"RandomResizedCrop(224) + flip{'' if args.augment == 'none' else ' + ' + args.augment}, batch {args.batch}, "
+        f"{args.workers} workers, {os.cpu_count()} cores, "
         f"{cpu_model()}; median of {args.repeat} rounds"
     )
     print(header)
@@ -368,22 +381,13 @@ def main() -> int:
 
         return against.run(args, lambda ds: prepare(data_folder(args, ds), args.images, ds), run_contender)
     if args.run or args.convert:
-        info = prepare(data_folder(args, args.set), args.images, args.set)
-        if args.convert:
-            import peers
-
-            print(json.dumps(peers.convert(args.convert, info)))
-            return 0
-        result = run_one(args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds)
-        if "wdsdist" in sys.modules:  # which checkout's loader ran (--against: each tree's own)
-            result["wdsdist"] = str(Path(sys.modules["wdsdist"].__file__).resolve().parent.parent)
-        print(json.dumps(result))
-        return 0
+        return run_inside(args)
     if args.conversion:
         return run_conversion(args)
     datasets = list(DATASETS) if args.dataset == "both" else [args.dataset]
-    names = args.only or (list(WITH_PEERS) if args.peers else list(CONTENDERS))
-    extra: dict = {}
+    names, extra = contenders_for(args), {}
+    if args.augment != "none":
+        extra["left_out"] = left_out(args)
     for peer in ("ffcv", "spdl"):  # what they need from Debian: the one line that installs it
         if peer in names and (wanted := peervenv.missing_packages(peer)):
             others = " ".join(n for n in names if n != peer)
@@ -410,7 +414,27 @@ def main() -> int:
         said = predicting.ratio_line(rounds[ds])
         if said:
             print(said)
+    for name, why in extra.get("left_out", {}).items():
+        print(f"left out: {LABELS[name]}: {why}")
     write_json(args, infos, results, rounds, extra)
+    return 0
+
+
+def run_inside(args: argparse.Namespace) -> int:
+    """--run NAME or --convert NAME: one contender's run, or one peer's conversion, in this
+    process (bench.py's own subprocess); its JSON on stdout."""
+    info = prepare(data_folder(args, args.set), args.images, args.set)
+    if args.convert:
+        import peers
+
+        print(json.dumps(peers.convert(args.convert, info)))
+        return 0
+    result = run_one(
+        args.run, info, args.workers, args.batch, args.warmup, args.batches, args.limit_seconds, args.augment
+    )
+    if "wdsdist" in sys.modules:  # which checkout's loader ran (--against: each tree's own)
+        result["wdsdist"] = str(Path(sys.modules["wdsdist"].__file__).resolve().parent.parent)
+    print(json.dumps(result))
     return 0
 
 
@@ -430,6 +454,30 @@ def run_conversion(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report | {"bench_venv": venv}, indent=1))
     print(f"-> {out}")
     return 0
+
+
+def contenders_for(args: argparse.Namespace) -> list[str]:
+    """The contenders to run: --only, or the default set (--peers: ours, the limits, the peers);
+    with --augment, those of them that apply the policy, and (--peers) the reference pipelines
+    beside the peers: ImageFolder's, WebDataset's README's, and for randaugment timm's loader."""
+    if args.only:
+        return [n for n in args.only if n not in left_out(args)]
+    names = list(WITH_PEERS) if args.peers else [n for n in CONTENDERS if n != "timm"]
+    if args.augment != "none":
+        names += [n for n in ("seed", "imagefolder", "timm") if n not in names]
+    return [n for n in names if n not in left_out(args)]
+
+
+def left_out(args: argparse.Namespace) -> dict[str, str]:
+    """With --augment: each contender asked for (--only, or the default set) that cannot apply
+    the policy, and why; timm's loader runs for randaugment alone, and only with it."""
+    asked = args.only or [*(WITH_PEERS if args.peers else CONTENDERS), "timm"]
+    if args.augment == "none":
+        return {n: "runs with --augment randaugment" for n in asked if n == "timm"}
+    out = {n: LEFT_OUT.get(n, f"applies no {args.augment}") for n in asked if n not in WITH_POLICY}
+    if args.augment != "randaugment" and "timm" in asked:
+        out["timm"] = LEFT_OUT["timm"]
+    return out
 
 
 def run_convert(name: str, dataset: str, args: argparse.Namespace) -> dict:

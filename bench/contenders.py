@@ -15,15 +15,44 @@ import time
 from memory import TreeMemory
 
 PEERS = ("streaming", "litdata", "dali", "ffcv", "wids", "spdl")  # run in .bench-venv (bench/peers.py)
+AUGMENTS = ("none", "trivialaugment", "randaugment")  # bench.py --augment: the policy after crop + flip
+# With --augment, the contenders that apply the policy (timm's loader: its own RandAugment only);
+# every other one is left out, and why.
+WITH_POLICY = ("ours", "ours-samples", "ours-cross", "ours-whole", "seed", "imagefolder", "limit", "side-by-side")
+WITH_POLICY += ("ours-work", "ours-work-together", "streaming", "litdata", "dali", "wids", "spdl", "timm")
+LEFT_OUT = {
+    "ffcv": "FFCV's transforms have no TrivialAugment or RandAugment",
+    "timm": "timm's loader is run for randaugment (its RandAugment, rand-m9-n2)",
+    "predict": "prediction takes no training augmentation",
+    "predict-loader": "prediction takes no training augmentation",
+    "predict-model": "prediction takes no training augmentation",
+}
 
 
-def seed_transform():
+def seed_transform(augment: str = "none"):
+    """The reference's training transform on a PIL image: crop, flip, the policy, to a tensor."""
+    from peers import policy
     from torchvision import transforms as T
 
-    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
+    chosen = [policy(augment)] if augment != "none" else []
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), *chosen, T.ToTensor()])
 
 
-def loader_for(name: str, info: dict, workers: int, batch: int):
+def timm_loader(info: dict, workers: int, batch: int, augment: str):
+    """timm's own data set and loader (train.py's): its RandAugment, rand-m9-n2 (2 ops at
+    magnitude 9, as ours), after its RandomResizedCrop and flip; no prefetcher (that is CUDA's)."""
+    from timm.data import create_dataset, create_loader
+
+    if augment != "randaugment":
+        raise ValueError(LEFT_OUT["timm"])
+    ds = create_dataset("", root=info["tree"], is_training=True, search_split=False)
+    return create_loader(
+        ds, input_size=224, batch_size=batch, is_training=True, auto_augment="rand-m9-n2", interpolation="bilinear",
+        num_workers=workers, use_prefetcher=False, device="cpu",
+    )  # fmt: skip
+
+
+def loader_for(name: str, info: dict, workers: int, batch: int, augment: str = "none"):
     import torch
     import webdataset as wds
     from torchvision.datasets import ImageFolder
@@ -44,6 +73,7 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             decode_region=name != "ours-whole",
             # (a*): the epoch's samples in equal spans per worker, starting and stopping mid-shard
             split="samples" if name == "ours-samples" else "shards",
+            augment=augment,
         )
         return make_loader(info["index"], 0, 1, cfg)
     if name == "seed":
@@ -55,27 +85,33 @@ def loader_for(name: str, info: dict, workers: int, batch: int):
             .shuffle(1000)
             .decode("pil")
             .to_tuple("jpg", "cls")
-            .map_tuple(seed_transform(), lambda x: x)
+            .map_tuple(seed_transform(augment), lambda x: x)
             .batched(batch)
         )
         return wds.WebLoader(ds, batch_size=None, num_workers=workers)
     if name == "imagefolder":
-        ds = ImageFolder(info["tree"], transform=seed_transform())
+        ds = ImageFolder(info["tree"], transform=seed_transform(augment))
         return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    if name == "timm":
+        return timm_loader(info, workers, batch, augment)
     raise ValueError(name)
 
 
-def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: bool = False) -> dict:
+def limit_rate(
+    info: dict, seconds: float, barrier=None, results=None, region: bool = False, augment: str = "none"
+) -> dict:
     """Single-core rate of decode + RandomResizedCrop + flip with no loader: torchvision's whole
     decode (the limit every loader here shares), or with ``region`` ours (jpegcrop: only the
-    crop's region decoded, and our per-sample checks). With ``barrier``, the clock starts when
-    every process of the barrier is ready."""
+    crop's region decoded, and our per-sample checks). With ``augment``, the policy after them:
+    torchvision's on the crop as a PIL image (its cheaper form: bench/results/2026-12-05-augment-ops.md),
+    or with ``region`` ours. With ``barrier``, the clock starts when every process of the barrier
+    is ready."""
     import torch
     import webdataset as wds
     from torchvision.io import ImageReadMode, decode_image
 
     from wdsdist.data.decode.jpegcrop import crop_decoder
-    from wdsdist.data.decode.sample import decode_sample, make_transform
+    from wdsdist.data.decode.sample import make_augment, make_transform, prepare_sample
     from wdsdist.data.options import LoaderConfig
     from wdsdist.data.sources import shardspec
 
@@ -84,19 +120,24 @@ def limit_rate(info: dict, seconds: float, barrier=None, results=None, region: b
     # sit in the 32 MB L3 cache here, which the loader's stream never does.
     urls = [shard.url for shard in shardspec.expand(info["index"])]
     samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
-    cfg = LoaderConfig(batch_size=64, image_size=224)
+    cfg = LoaderConfig(batch_size=64, image_size=224, augment=augment)
     transform = make_transform(cfg)
     if region:
         crop = crop_decoder(transform, cfg.decode_downscale)
         if crop is None:
             raise SystemExit("error: jpegcrop is not available here (see the loader's note)")
 
-        def work(sample: dict) -> torch.Tensor:
-            return decode_sample(sample, cfg, transform, crop)[0]
-    else:
+        augmented = make_augment(cfg, 224)
 
         def work(sample: dict) -> torch.Tensor:
-            return transform(decode_image(torch.frombuffer(sample["jpg"], dtype=torch.uint8), mode=ImageReadMode.RGB))
+            return prepare_sample(sample, cfg, transform, crop, augment=augmented)()[0]
+    else:
+        from peers import with_policy
+
+        whole = with_policy(transform, augment)
+
+        def work(sample: dict) -> torch.Tensor:
+            return whole(decode_image(torch.frombuffer(sample["jpg"], dtype=torch.uint8), mode=ImageReadMode.RGB))
 
     work(samples[0])
     if barrier is not None:
@@ -135,6 +176,8 @@ def import_first(name: str) -> None:
     else:
         for module in ["webdataset", "torchvision.datasets", "wdsdist.data.delivery.pipeline", "wdsdist.data.options"]:
             importlib.import_module(module)
+        if name == "timm":
+            importlib.import_module("timm.data")
 
 
 def batch_shape(batch) -> str:
@@ -145,13 +188,14 @@ def batch_shape(batch) -> str:
     return "x".join(map(str, images.shape)) + " " + str(images.dtype).removeprefix("torch.")
 
 
-def loops_together(info: dict, workers: int, limit_seconds: float, region: bool) -> dict:
+def loops_together(info: dict, workers: int, limit_seconds: float, region: bool, augment: str = "none") -> dict:
     """What W cores give together on this machine right now (shared caches, memory bandwidth,
     other tenants): the same loop in W processes at once, as the loader's W workers run."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(workers), ctx.Queue()
     procs = [
-        ctx.Process(target=limit_rate, args=(info, limit_seconds, barrier, results, region)) for _ in range(workers)
+        ctx.Process(target=limit_rate, args=(info, limit_seconds, barrier, results, region, augment))
+        for _ in range(workers)
     ]
     for proc in procs:
         proc.start()
@@ -161,29 +205,31 @@ def loops_together(info: dict, workers: int, limit_seconds: float, region: bool)
     return {"samples_per_s": sum(rates), "per_process": rates}
 
 
-def run_one(name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float) -> dict:
+def run_one(
+    name: str, info: dict, workers: int, batch: int, warmup: int, batches: int, limit_seconds: float, augment: str
+) -> dict:
     if name.startswith("predict"):
         import predicting
 
         return predicting.run(name, info, workers, batch, limit_seconds)
     if name in ("limit", "ours-work"):
-        r = limit_rate(info, limit_seconds, region=name == "ours-work")
+        r = limit_rate(info, limit_seconds, region=name == "ours-work", augment=augment)
         return {
             "samples_per_s": r["per_core"] * workers,
             "per_core": r["per_core"],
             "cpu_ms_per_sample": r["cpu_ms_per_sample"],
         }
     if name in ("side-by-side", "ours-work-together"):
-        return loops_together(info, workers, limit_seconds, region=name == "ours-work-together")
+        return loops_together(info, workers, limit_seconds, region=name == "ours-work-together", augment=augment)
     import_first(name)
     with TreeMemory() as mem:
         start = time.perf_counter()
         if name in PEERS:
             import peers
 
-            loader = peers.loader_for(name, info, workers, batch)
+            loader = peers.loader_for(name, info, workers, batch, augment)
         else:
-            loader = loader_for(name, info, workers, batch)
+            loader = loader_for(name, info, workers, batch, augment)
         first = timed_from = None
         n = 0
         # Each loader is used as a trainer uses it: ours epochless, the others epoch after epoch

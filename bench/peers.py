@@ -44,6 +44,34 @@ def torch_transform():
     return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
 
 
+def policy(augment: str):
+    """The policy as torchvision's classification reference builds it (bilinear), for PIL images;
+    None for ``none``. RandAugment as our data.augment=randaugment: 2 ops at magnitude 9."""
+    from torchvision import transforms as T
+
+    bilinear = T.InterpolationMode.BILINEAR
+    if augment == "trivialaugment":
+        return T.TrivialAugmentWide(interpolation=bilinear)
+    if augment == "randaugment":
+        return T.RandAugment(num_ops=2, magnitude=9, interpolation=bilinear)
+    return None
+
+
+def with_policy(transform, augment: str):
+    """``transform`` (to a uint8 CHW crop) then the policy on the crop as a PIL image, as users of
+    a loader with a Python transform write it; ``transform`` itself for ``none``."""
+    chosen = policy(augment)
+    if chosen is None:
+        return transform
+
+    def crop_then_policy(image):
+        from torchvision.transforms import functional as F
+
+        return F.pil_to_tensor(chosen(F.to_pil_image(transform(image))))
+
+    return crop_then_policy
+
+
 def decode_crop(jpg: bytes, transform):
     """torchvision's tensor path: libjpeg-turbo decode to uint8 CHW, then the transform."""
     import torch
@@ -145,22 +173,23 @@ def _size(folder: Path) -> int:
 # ---------------------------------------------------------------- loaders
 
 
-def loader_for(name: str, info: dict, workers: int, batch: int):
-    """An iterable over uint8 image batches, used epoch after epoch (``iter`` per epoch)."""
+def loader_for(name: str, info: dict, workers: int, batch: int, augment: str = "none"):
+    """An iterable over uint8 image batches, used epoch after epoch (``iter`` per epoch); with
+    ``augment`` (not FFCV's: it has no such policy), the policy after the crop and flip."""
     folder = folder_of(name, info)
     if name == "streaming":
-        return _streaming(folder / "data", workers, batch)
+        return _streaming(folder / "data", workers, batch, augment=augment)
     if name == "litdata":
-        return _litdata(str(folder / "data"), workers, batch)
+        return _litdata(str(folder / "data"), workers, batch, augment=augment)
     if name == "dali":
-        return _dali(info, folder / "data", workers, batch)
-    if name == "ffcv":
+        return _dali(info, folder / "data", workers, batch, augment)
+    if name == "ffcv" and augment == "none":
         return _ffcv(str(folder / "data") + ".beton", workers, batch)
     if name == "wids":
-        return _wids(info, workers, batch)
+        return _wids(info, workers, batch, augment)
     if name == "spdl":
-        return SpdlEpochs(shard_paths(info), workers, batch)
-    raise ValueError(name)
+        return SpdlEpochs(shard_paths(info), workers, batch, augment)
+    raise ValueError(f"{name} with augment={augment}")
 
 
 def remote_loader(name: str, remote: str, cache: str, workers: int, batch: int):
@@ -181,13 +210,13 @@ def remote_loader(name: str, remote: str, cache: str, workers: int, batch: int):
     raise ValueError(name)
 
 
-def _streaming(local: Path, workers: int, batch: int, remote: str | None = None):
+def _streaming(local: Path, workers: int, batch: int, remote: str | None = None, augment: str = "none"):
     from streaming import StreamingDataLoader, StreamingDataset
 
     class Images(StreamingDataset):
         def __init__(self, **kw):
             super().__init__(**kw)
-            self.transform = torch_transform()
+            self.transform = with_policy(torch_transform(), augment)
 
         def __getitem__(self, i):
             sample = super().__getitem__(i)
@@ -199,10 +228,10 @@ def _streaming(local: Path, workers: int, batch: int, remote: str | None = None)
     return StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True, persistent_workers=True)
 
 
-def _litdata(input_dir: str, workers: int, batch: int, cache: str | None = None):
+def _litdata(input_dir: str, workers: int, batch: int, cache: str | None = None, augment: str = "none"):
     import litdata as ld
 
-    transform = torch_transform()
+    transform = with_policy(torch_transform(), augment)
 
     class Images(ld.StreamingDataset):
         def __getitem__(self, i):
@@ -214,15 +243,17 @@ def _litdata(input_dir: str, workers: int, batch: int, cache: str | None = None)
     return ld.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, drop_last=True)
 
 
-def _dali(info: dict, idx_folder: Path, workers: int, batch: int):
+def _dali(info: dict, idx_folder: Path, workers: int, batch: int, augment: str = "none"):
     from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.auto_aug import rand_augment, trivial_augment
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     tars = shard_paths(info)
     idx = [str(idx_folder / (Path(t).stem + ".idx")) for t in tars]
 
-    # CPU only: device_id=None; num_threads are DALI's workers.
-    @pipeline_def(batch_size=batch, num_threads=workers, device_id=None)
+    # CPU only: device_id=None; num_threads are DALI's workers. auto_aug's policies branch per
+    # sample, which DALI's conditionals do (its docs' way to run them).
+    @pipeline_def(batch_size=batch, num_threads=workers, device_id=None, enable_conditionals=augment != "none")
     def pipe():
         jpg, cls = fn.readers.webdataset(
             paths=tars,
@@ -236,6 +267,10 @@ def _dali(info: dict, idx_folder: Path, workers: int, batch: int):
         img = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)  # area 0.08-1, ratio 3/4-4/3
         img = fn.resize(img, resize_x=224, resize_y=224)
         img = fn.flip(img, horizontal=fn.random.coin_flip())
+        if augment == "trivialaugment":  # DALI's own policies (nvidia.dali.auto_aug), on the CPU here
+            img = trivial_augment.trivial_augment_wide(img)
+        elif augment == "randaugment":
+            img = rand_augment.rand_augment(img, n=2, m=9)
         return img, cls
 
     p = pipe()
@@ -266,11 +301,11 @@ def _ffcv(path: str, workers: int, batch: int):
     )
 
 
-def _wids(info: dict, workers: int, batch: int):
+def _wids(info: dict, workers: int, batch: int, augment: str = "none"):
     import torch
     import wids
 
-    transform = torch_transform()
+    transform = with_policy(torch_transform(), augment)
 
     def make_sample(sample: dict):
         # wids hands each member over as an io.BytesIO (over its mapped tar)
@@ -314,10 +349,11 @@ class SpdlEpochs:
     releases the GIL), batches of ``batch`` (drop_last), and a collate stage into one uint8 tensor.
     Threads in one process, not worker processes: SPDL's design."""
 
-    def __init__(self, tars: list[str], workers: int, batch: int):
+    def __init__(self, tars: list[str], workers: int, batch: int, augment: str = "none"):
         import random
 
         self.tars, self.workers, self.batch, self.rng = tars, workers, batch, random.Random(0)
+        self.policy = policy(augment)  # on the decoded crop as a PIL image, in the decode stage
 
     def _samples(self):
         import spdl.io
@@ -343,6 +379,7 @@ class SpdlEpochs:
         import numpy as np
         import spdl.io
         import torch
+        from PIL import Image
         from spdl.pipeline import PipelineBuilder
 
         local = threading.local()
@@ -357,7 +394,10 @@ class SpdlEpochs:
             flip = ",hflip" if rng.random() < 0.5 else ""
             desc = f"crop={w}:{h}:{x}:{y},scale=224:224:flags=bilinear{flip},format=rgb24"
             frames = spdl.io.decode_packets(packets, filter_desc=desc)
-            return spdl.io.to_numpy(spdl.io.convert_frames(frames)), label
+            image = spdl.io.to_numpy(spdl.io.convert_frames(frames))
+            if self.policy is not None:
+                image = np.asarray(self.policy(Image.fromarray(image)))
+            return image, label
 
         def collate(items):
             images = torch.from_numpy(np.stack([image for image, _ in items])).permute(0, 3, 1, 2)

@@ -4,8 +4,15 @@
     ./run recipe.py                              # every part: the report's tables, as markdown
     ./run recipe.py --parts aug loader --rounds 5
     ./run recipe.py --parts digits --seeds 5     # runs already in --runs are taken as they are
+    ./run recipe.py --ops                        # each policy op's cost: PIL, tensor, ours
+    ./run recipe.py --parts digits --settings trivialaugment --runs DIR   # one setting, fresh runs
 
 Parts:
+  ops      each op of the policies at 224 pixels, one thread: torchvision's functional op on a PIL
+           image, the same on the uint8 tensor, and ours (decode/augment_ops.py, on the tensor the
+           crop is, back to a tensor): the fastest of --rounds means of 5 calls; then each whole
+           policy and random erasing the same three ways, over the draws of --samples seeds: the
+           mean of each draw's fastest of --rounds calls
   aug      each augmentation's CPU time per sample in one worker's loop (the loader's own
            per-sample path, delivery/prep.py: region decode, crop, flip, the augmentation),
            on the bench's JPEGs (bench.py's noise set, 500 x 375), at 224 pixels
@@ -23,6 +30,7 @@ Rounds of a part interleave their settings, so a slow minute of a shared machine
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -51,6 +59,18 @@ DIGITS = {  # setting -> train.py overrides on top of today's recipe
     "+ mixup 0.2 / cutmix 1.0": ["trainer.mixup=0.2", "trainer.cutmix=1.0"],
     "+ EMA 0.99": ["trainer.ema.decay=0.99"],
     "+ all three": ["data.augment=trivialaugment", "trainer.mixup=0.2", "trainer.cutmix=1.0", "trainer.ema.decay=0.99"],
+}
+# ops: each op at a middling magnitude of TrivialAugmentWide's range (no right angle: PIL transposes those)
+OP_MAGNITUDES = {
+    "ShearX": 0.3, "ShearY": 0.3, "TranslateX": 16.0, "TranslateY": 16.0, "Rotate": 20.0,
+    "Brightness": 0.5, "Color": 0.5, "Contrast": 0.5, "Sharpness": 0.5, "Posterize": 4.0,
+    "Solarize": 0.5, "AutoContrast": 0.0, "Equalize": 0.0, "Invert": 0.0,
+}  # fmt: skip
+POLICY_ROWS = {  # ops: the whole policies' rows -> (data.augment, data.random_erase)
+    "trivialaugment": ("trivialaugment", 0.0),
+    "randaugment (n 2, m 9)": ("randaugment", 0.0),
+    "autoaugment": ("autoaugment", 0.0),
+    "random erasing 0.25": ("none", 0.25),
 }
 DIGIT_RUN = ["trainer.device=cpu", "trainer.workers=1", "trainer.batch_size=32", "trainer.steps=200"]
 DIGIT_RUN += ["trainer.eval_every=0", "trainer.ckpt_every=0", "data.image_size=32", "data.crop_scale=[0.6,1.0]"]
@@ -93,6 +113,113 @@ def aug_part(args: argparse.Namespace) -> dict:
         name: {"ms": statistics.median(ms), "spread": [min(ms), max(ms)], "added_ms": statistics.median(ms) - base}
         for name, ms in rounds.items()
     }
+
+
+def _timed(fn, calls: int, rounds: int) -> float:
+    """ms per call: the fastest round's mean (a shared machine's slow moments are the noise)."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return 1000 * best
+
+
+def _mean_of_fastest(fn, items, rounds: int) -> float:
+    """ms: the mean over ``items`` of each one's fastest of ``rounds`` calls (a policy's ops differ
+    in cost; a busy machine's slow moments land on some calls, not on every one's fastest)."""
+    best = [float("inf")] * len(items)
+    for _ in range(rounds):
+        for k, item in enumerate(items):
+            start = time.perf_counter()
+            fn(item)
+            best[k] = min(best[k], time.perf_counter() - start)
+    return 1000 * sum(best) / len(best)
+
+
+def op_image(size: int = 224):
+    """A uint8 CHW crop laid out as the loader's are (HWC in memory), from a bench JPEG."""
+    import torch
+    from torchvision.io import decode_image
+    from torchvision.transforms.v2 import functional as F
+
+    jpeg = bench_photo()
+    image = decode_image(torch.frombuffer(bytearray(jpeg), dtype=torch.uint8))
+    return F.resize(image.permute(1, 2, 0).contiguous().permute(2, 0, 1), [size, size], antialias=True)
+
+
+def bench_photo() -> bytes:
+    import bench
+
+    return bench.photo(0)
+
+
+def ops_part(args: argparse.Namespace) -> dict:
+    """ms per op at 224 px, one thread: PIL, tensor, ours; then each whole policy and erasing."""
+    import torch
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    from wdsdist.data.decode import augment_ops
+
+    torch.set_num_threads(1)
+    image = op_image()
+    pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+    policy, lib = v2.TrivialAugmentWide(interpolation=augment_ops.InterpolationMode.BILINEAR), augment_ops.library()
+    out: dict = {"ops": {}, "policies": policy_times(image, pil, args), "library": lib is not None}
+    for op, magnitude in OP_MAGNITUDES.items():
+
+        def theirs(img, op=op, magnitude=magnitude):
+            return policy._apply_image_or_video_transform(
+                img, op, magnitude, interpolation=policy.interpolation, fill=policy._fill
+            )
+
+        def ours(op=op, magnitude=magnitude):
+            crop = augment_ops.Crop(image)
+            augment_ops.apply_op(policy, crop, op, magnitude, lib)
+            return crop.tensor()
+
+        out["ops"][f"{op} {magnitude:g}"] = {
+            "pil": _timed(functools.partial(theirs, pil), 5, args.rounds),
+            "tensor": _timed(functools.partial(theirs, image), 5, args.rounds),
+            "ours": _timed(ours, 5, args.rounds),
+            "how": augment_ops.HOW[op],
+        }
+    return out
+
+
+def policy_times(image, pil, args: argparse.Namespace) -> dict:
+    """ms per image of each whole policy (and erasing) over --samples seeds' draws: the v2
+    transform on the PIL image and on the tensor, and ours (SampleAugment.draw, then apply), each
+    from the same seed."""
+    import torch
+    from torchvision.transforms import v2
+
+    from wdsdist.data.decode.augment import SampleAugment
+
+    mean, out = (0.485, 0.456, 0.406), {}
+    for name, (augment, erase) in POLICY_ROWS.items():
+        ours = SampleAugment(augment, 2, 9, erase, mean, 224)
+        theirs = ours.policy or v2.RandomErasing(p=erase, value=[round(255 * c) for c in mean])
+
+        # The CPU generator's own seed, as the loader seeds a sample's: torch.manual_seed also
+        # queues one for each accelerator, which costs more than a policy's ops here.
+        def theirs_of(img, seed, theirs=theirs):
+            torch.default_generator.manual_seed(seed)
+            return theirs(img)
+
+        def ours_of(seed, ours=ours):  # the same draws as theirs, made apart, then applied
+            torch.default_generator.manual_seed(seed)
+            return ours.apply(image, ours.draw())
+
+        seeds = range(args.samples)
+        out[name] = {
+            "pil": None if ours.policy is None else _mean_of_fastest(lambda i: theirs_of(pil, i), seeds, args.rounds),
+            "tensor": _mean_of_fastest(lambda i: theirs_of(image, i), seeds, args.rounds),
+            "ours": _mean_of_fastest(ours_of, seeds, args.rounds),
+        }
+    return out
 
 
 def loader_part(args: argparse.Namespace) -> dict:
@@ -162,6 +289,11 @@ def default_part(args: argparse.Namespace) -> dict:
     return {"runs": runs}
 
 
+def tag_of(setting: str) -> str:
+    """A digits setting's name in its runs' folders and in --settings: "+ trivialaugment" -> trivialaugment."""
+    return re.sub(r"[^a-z0-9]+", "-", setting.lower()).strip("-")
+
+
 def digits_part(args: argparse.Namespace) -> dict:
     """val top-1 on the held-out digits of each setting over the seeds."""
     from tests.helpers.digits import digits_tree
@@ -177,10 +309,11 @@ def digits_part(args: argparse.Namespace) -> dict:
             )  # fmt: skip
     data = ["data=shards", f"data.train_shards={root}/shards/digits-train.index.json"]
     data += [f"data.val_shards={root}/shards/digits-val.index.json"]
-    top1: dict[str, list[float]] = {name: [] for name in DIGITS}
+    chosen = {name: extra for name, extra in DIGITS.items() if not args.settings or tag_of(name) in args.settings}
+    top1: dict[str, list[float]] = {name: [] for name in chosen}
     for seed in range(args.seeds):
-        for name, extra in DIGITS.items():
-            tag = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        for name, extra in chosen.items():
+            tag = tag_of(name)
             run_dir = root / f"run-{tag}-{seed}"
             done = run_dir / "summary.json"  # a run of an earlier, interrupted study is taken as it is
             summary = json.loads(done.read_text()) if done.exists() else None
@@ -195,8 +328,21 @@ def digits_part(args: argparse.Namespace) -> dict:
     }
 
 
+def ops_markdown(r: dict) -> list[str]:
+    lines = ["| op at 224 px, one thread | PIL, ms | tensor, ms | ours, ms | ours is |", "|---|---|---|---|---|"]
+    for name, t in r["ops"].items():
+        lines.append(f"| {name} | {t['pil']:.3f} | {t['tensor']:.3f} | {t['ours']:.3f} | {t['how']} |")
+    lines += ["", "| whole policy, per image (224 px) | PIL, ms | tensor, ms | ours, ms |", "|---|---|---|---|"]
+    for name, t in r["policies"].items():
+        pil = "-" if t["pil"] is None else f"{t['pil']:.3f}"
+        lines.append(f"| {name} | {pil} | {t['tensor']:.3f} | {t['ours']:.3f} |")
+    return [*lines, ""]
+
+
 def markdown(results: dict, args: argparse.Namespace) -> str:
     lines = [f"machine: {cpu_model()}, {os.cpu_count()} cores; command: `./run recipe.py {' '.join(sys.argv[1:])}`", ""]
+    if "ops" in results:
+        lines += ops_markdown(results["ops"])
     if "aug" in results:
         lines += ["| per sample, one worker (224 px) | ms CPU | added | spread |", "|---|---|---|---|"]
         for name, r in results["aug"].items():
@@ -235,21 +381,25 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", nargs="*", choices=("aug", "loader", "compile", "default", "digits"), default=None)
+    p.add_argument("--parts", nargs="*", choices=("ops", "aug", "loader", "compile", "default", "digits"), default=None)
+    p.add_argument("--ops", action="store_true", help="the ops part alone (--parts ops)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--samples", type=int, default=200, help="aug: samples per setting and round")
     p.add_argument("--warmup", type=int, default=5, help="loader: batches before the clock starts")
     p.add_argument("--batches", type=int, default=30, help="loader: batches timed")
     p.add_argument("--seeds", type=int, default=5, help="digits: seeds per setting")
+    p.add_argument(
+        "--settings", nargs="*", help="digits: only these settings, by their tags (today-s-recipe, trivialaugment, ...)"
+    )
     p.add_argument("--runs", type=Path, default=ROOT / "outputs" / "recipe-bench", help="where the runs go")
     p.add_argument("--json", type=Path, default=ROOT / "outputs" / "recipe-bench" / "recipe.json")
     args = p.parse_args()
     args.runs.mkdir(parents=True, exist_ok=True)
-    parts = args.parts or ["aug", "loader", "compile", "default", "digits"]
+    parts = ["ops"] if args.ops else args.parts or ["ops", "aug", "loader", "compile", "default", "digits"]
     results = {}
     for part in parts:
-        parts_ = {"aug": aug_part, "loader": loader_part, "compile": compile_part, "default": default_part}
-        results[part] = (parts_ | {"digits": digits_part})[part](args)
+        parts_ = {"ops": ops_part, "aug": aug_part, "loader": loader_part, "compile": compile_part}
+        results[part] = (parts_ | {"default": default_part, "digits": digits_part})[part](args)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results, args))
     return 0

@@ -11,6 +11,7 @@ import tarfile
 import types
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -80,12 +81,14 @@ def test_every_op_of_the_policy_is_reached_and_its_magnitudes_stay_in_range(name
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_the_ops_equal_torchvisions_own_transform_on_the_same_image(name):
+def test_the_ops_equal_torchvisions_own_transform_of_the_image_as_pil(name):
+    """The reference's way: the v2 policy on a PIL image (each op: tests/test_augment_ops.py)."""
     image, theirs = photo(), POLICIES[name]()
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy())
     ours = SampleAugment(name, 2, 9, 0.0, MEAN, image.shape[-1])
     for seed in range(60):
         torch.manual_seed(seed)
-        want, after = theirs(image), torch.rand(1)
+        want, after = torch.from_numpy(np.array(theirs(pil))).permute(2, 0, 1), torch.rand(1)
         torch.manual_seed(seed)
         got = ours.apply(image, ours.draw())
         assert torch.equal(got, want), seed

@@ -286,3 +286,26 @@ def test_a_contender_runs_the_loader_of_the_tree_it_is_given(tmp_path):
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["wdsdist"] == str(tree.resolve()) and result["samples_per_s"] > 0
+
+
+def test_the_bench_with_a_policy_runs_who_applies_it_and_names_who_cannot(monkeypatch):
+    """bench.py --augment: the reference pipelines join the peers, FFCV (no such policy) is named
+    as left out, and timm's loader runs for randaugment alone."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load("bench")
+
+    def plan(**given):
+        args = argparse.Namespace(**({"only": None, "peers": True} | given))
+        return bench.contenders_for(args), bench.left_out(args)
+
+    run, out = plan(augment="trivialaugment")
+    assert {"ours", "limit", "seed", "imagefolder", "streaming", "litdata", "dali", "wids", "spdl"} <= set(run)
+    assert "ffcv" not in run and "timm" not in run and set(out) == {"ffcv", "timm"}
+    run, out = plan(augment="randaugment")
+    assert "timm" in run and set(out) == {"ffcv"}
+    run, out = plan(augment="none")
+    assert "ffcv" in run and "seed" not in run and "timm" not in run
+    run, out = plan(augment="trivialaugment", only=["ours", "ffcv"], peers=False)
+    assert run == ["ours"] and set(out) == {"ffcv"}

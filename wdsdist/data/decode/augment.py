@@ -1,15 +1,16 @@
 """A training image's augmentations after its crop and flip: TrivialAugment, RandAugment or
 AutoAugment (``augment``), then random erasing (``random_erase``), on the uint8 crop in the worker.
 
-The ops are torchvision's own: each policy is torchvision's v2 transform, and an op is applied by
-that transform's own ``_apply_image_or_video_transform``, RandomErasing's box by ``F.erase``. What
-is ours is the order of work: ``draw`` makes the random choices (which ops, their magnitudes and
-signs, the erased box) by calling the v2 transform's own ``forward`` and ``make_params`` on an
-image of the crop's size that is never read, and records them; ``apply`` then makes the pixels.
-So the draws are made in the stream's order, from the sample's own generator (seeded by the
-sample: plan/seeds.sample_draws), like its crop's, and the pixels may be made later, on any
-thread (the warm start's); a resumed or resized run draws the same for each sample. For the same
-draws the output equals the v2 transform's on the same image (tests/test_augment.py).
+The policies are torchvision's v2 transforms. What is ours is the order of work: ``draw`` makes
+the random choices (which ops, their magnitudes and signs, the erased box) by calling the v2
+transform's own ``forward`` and ``make_params`` on an image of the crop's size that is never read,
+and records them; ``apply`` then makes the pixels, each op where it costs least (augment_ops.py),
+with the pixels torchvision's functional op makes on a PIL image, as the reference and timm apply
+the policies; RandomErasing's box by ``F.erase``. So the draws are made in the stream's order,
+from the sample's own generator (seeded by the sample: plan/seeds.sample_draws), like its crop's,
+and the pixels may be made later, on any thread (the warm start's); a resumed or resized run draws
+the same for each sample. For the same draws the output equals the v2 transform's on the image as
+a PIL image (tests/test_augment.py, each op in tests/test_augment_ops.py).
 
 Random erasing fills with the data's mean colour: torchvision's reference and timm erase to 0
 after normalising, which is the mean.
@@ -24,6 +25,8 @@ import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as F
+
+from wdsdist.data.decode import augment_ops
 
 # Ops interpolate bilinearly, as torchvision's classification reference sets them (the v2
 # classes' own default is nearest).
@@ -116,17 +119,13 @@ class SampleAugment:
         return Drawn(tuple(ops), box)
 
     def apply(self, image: torch.Tensor, drawn: Drawn) -> torch.Tensor:
-        """The drawn ops on a uint8 3 x size x size image, by torchvision's own functions; it
-        draws nothing, so threads may run it at once."""
-        policy = self.policy
-        for op, magnitude in drawn.ops:
-            image = policy._apply_image_or_video_transform(  # type: ignore[union-attr]
-                image,
-                op,
-                magnitude,
-                interpolation=policy.interpolation,
-                fill=policy._fill,  # type: ignore[union-attr]
-            )
+        """The drawn ops on a uint8 3 x size x size image, each where it costs least with PIL's
+        pixels (augment_ops.py); it draws nothing, so threads may run it at once."""
+        if drawn.ops:
+            crop, lib = augment_ops.Crop(image), augment_ops.library()
+            for op, magnitude in drawn.ops:
+                augment_ops.apply_op(self.policy, crop, op, magnitude, lib)
+            image = crop.tensor()
         if drawn.erase is not None:
             i, j, h, w = drawn.erase
             image = F.erase(image, i, j, h, w, self.fill.to(image.dtype))

@@ -16,6 +16,8 @@ at that fraction of its size (libjpeg's DCT scaling), so the resize still only s
 (``downscale``, off by default; such pixels differ from a bilinear shrink of the full decode, which
 may cost accuracy: bench/results/2026-11-25-decode-downscale-accuracy.md).
 
+The same library holds the policies' dearest ops in Pillow's arithmetic (augment_ops.py uses them).
+
 The C part is compiled at pip install time (setup.py), or else on first use, with the system's C
 compiler against the system's libjpeg-turbo (Debian: ``gcc libjpeg62-turbo-dev``), then into
 ``.build/`` (``WDSDIST_BUILD``). Without them ``load()`` says why and the loader decodes whole
@@ -49,8 +51,9 @@ from wdsdist.data.decode.draws import CropDraw
 SOURCE = Path(__file__).with_name("jpegcrop.c")
 JPEG_MAGIC = b"\xff\xd8\xff"
 _MSG_LEN = 200  # libjpeg's JMSG_LENGTH_MAX
-SYMBOLS = ("jpegcrop_decode",)
-CFLAGS = ("-O3", "-shared", "-fPIC")  # setup.py builds it at pip install time with these too
+SYMBOLS = ("jpegcrop_decode", "augment_affine", "augment_sharpness", "augment_lut", "augment_color")
+# -ffp-contract=off: no fused multiply-adds, so the augmentations' float arithmetic is Pillow's
+CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")  # setup.py builds it at pip install time with these too
 _loaded: dict[Path, ctypes.CDLL | str] = {}
 
 
@@ -127,6 +130,13 @@ def _configured(lib: ctypes.CDLL) -> ctypes.CDLL:
     int_p = ctypes.POINTER(ctypes.c_int)
     lib.jpegcrop_decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, int_p, int_p] + [ctypes.c_int] * 5
     lib.jpegcrop_decode.argtypes += [ctypes.c_void_p, ctypes.c_char_p]
+    ptr, size = ctypes.c_void_p, ctypes.c_int
+    lib.augment_affine.argtypes = [ptr, size, size, ptr, ctypes.POINTER(ctypes.c_double), ptr]
+    lib.augment_sharpness.argtypes = [ptr, size, size, ptr, ctypes.c_float]
+    lib.augment_blend_lut.argtypes = [size, ctypes.c_float, ptr]
+    lib.augment_lut.argtypes = [ptr, size, ptr, ptr]
+    lib.augment_histogram.argtypes = [ptr, size, ptr, size]
+    lib.augment_color.argtypes = [ptr, size, ptr, ctypes.c_float]
     return lib
 
 
@@ -156,7 +166,8 @@ def _build(where: Path, path: Path, cc: str) -> str | None:
     try:
         where.mkdir(parents=True, exist_ok=True)
         try:
-            done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-ljpeg"], capture_output=True, text=True)
+            command = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-ljpeg", "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
                 said = [ln for ln in lines if "fatal error" in ln or "cannot find" in ln]

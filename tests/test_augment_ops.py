@@ -1,0 +1,110 @@
+"""Each op of the policies where it costs least (wdsdist/data/decode/augment_ops.py): its pixels
+against torchvision's functional op on a PIL image, for every op of TrivialAugmentWide,
+RandAugment and AutoAugment at every magnitude each can draw, both signs, square and oblong
+crops, in both memory layouts a crop comes in. The tolerance is stated per op in TOLERANCE: none
+(every op equals PIL's), whether the C kernels make it or PIL does where they are missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from wdsdist.data.decode import augment_ops
+from wdsdist.data.decode.augment import INTERPOLATION, MAGNITUDE_BINS
+
+POLICIES = {
+    "trivialaugment": lambda: v2.TrivialAugmentWide(num_magnitude_bins=MAGNITUDE_BINS, interpolation=INTERPOLATION),
+    "randaugment": lambda: v2.RandAugment(num_ops=2, magnitude=9, interpolation=INTERPOLATION),
+    "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=INTERPOLATION),
+}
+# The largest difference from PIL's pixels allowed per op (in uint8 steps): every op is exact.
+TOLERANCE = dict.fromkeys(augment_ops.HOW, 0)
+
+
+def crop(width: int, height: int, seed: int = 0, hwc: bool = True) -> torch.Tensor:
+    """A uint8 CHW crop with gradients, an edge and grain in it; laid out HWC in memory as a
+    region decode's crop is (``hwc``), or CHW as a whole decode's."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.linspace(0, 1, width), torch.linspace(0, 1, height)
+    img = torch.stack([x[None, :].expand(height, width), y[:, None].expand(height, width), x[None, :] * y[:, None]])
+    img = (img * 200).to(torch.int32) + torch.randint(0, 56, (3, height, width), generator=g)
+    img[:, height // 4 : height // 2, width // 3 : width // 2] = 240
+    img = img.clamp(0, 255).to(torch.uint8)
+    return img.permute(1, 2, 0).contiguous().permute(2, 0, 1) if hwc else img.contiguous()
+
+
+def pil_of(image: torch.Tensor) -> Image.Image:
+    return Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+
+
+def tensor_of(image: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def magnitudes(policy: v2.Transform, op: str, width: int, height: int) -> list[float]:
+    """Every magnitude the policy's space holds for ``op``, signed both ways where it draws a sign."""
+    bins = 10 if isinstance(policy, v2.AutoAugment) else MAGNITUDE_BINS
+    values, signed = policy._AUGMENTATION_SPACE[op]
+    mags = values(bins, height, width)
+    if mags is None:
+        return [0.0]
+    out = [float(m) for m in mags]
+    return out + [-m for m in out if m] if signed else out
+
+
+def theirs(policy, image: torch.Tensor, op: str, magnitude: float) -> torch.Tensor:
+    pil = policy._apply_image_or_video_transform(
+        pil_of(image), op, magnitude, interpolation=policy.interpolation, fill=policy._fill
+    )
+    return tensor_of(pil)
+
+
+def ours(policy, image: torch.Tensor, op: str, magnitude: float, lib) -> torch.Tensor:
+    c = augment_ops.Crop(image)
+    augment_ops.apply_op(policy, c, op, magnitude, lib)
+    return c.tensor()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("width, height, hwc", [(40, 40, True), (37, 29, False)])
+def test_every_op_at_every_magnitude_equals_torchvisions_on_a_pil_image(name, width, height, hwc):
+    policy, lib = POLICIES[name](), augment_ops.library()
+    assert lib is not None, "jpegcrop's library (with the augmentations' kernels) did not build"
+    image = crop(width, height, hwc=hwc)
+    reached = set()
+    for op in policy._AUGMENTATION_SPACE:
+        for magnitude in magnitudes(policy, op, width, height):
+            got, want = ours(policy, image, op, magnitude, lib), theirs(policy, image, op, magnitude)
+            assert got.shape == want.shape == image.shape
+            worst = (got.int() - want.int()).abs().max().item()
+            assert worst <= TOLERANCE[op], (op, magnitude, worst)
+            reached.add(op)
+        assert torch.equal(image, crop(width, height, hwc=hwc)), op  # the input is never written
+    assert reached == set(policy._AUGMENTATION_SPACE)
+
+
+def test_without_the_c_kernels_pil_makes_the_same_pixels():
+    policy, image = POLICIES["trivialaugment"](), crop(40, 40, seed=1)
+    for op in augment_ops.HOW:
+        for magnitude in magnitudes(policy, op, 40, 40)[::5] if op in policy._AUGMENTATION_SPACE else [0.0]:
+            assert torch.equal(ours(policy, image, op, magnitude, None), theirs(policy, image, op, magnitude))
+    # a fill other than black: the geometric ops go to PIL, which fills with it
+    filled, lib = v2.TrivialAugmentWide(interpolation=INTERPOLATION, fill=[10, 20, 30]), augment_ops.library()
+    for op, magnitude in (("Rotate", 20.0), ("TranslateX", 8.0), ("ShearY", 0.3)):
+        got, want = ours(filled, image, op, magnitude, lib), theirs(filled, image, op, magnitude)
+        assert torch.equal(got, want) and (got == torch.tensor([10, 20, 30])[:, None, None]).all(0).any()
+
+
+def test_a_chain_of_ops_moves_between_forms_and_equals_pils_chain():
+    """RandAugment's two ops in turn, each in its own form (C, tensor, PIL): the same as PIL's chain."""
+    policy, image, lib = POLICIES["randaugment"](), crop(40, 40, seed=2), augment_ops.library()
+    chains = [("Rotate", 12.0, "Color", 0.3), ("Posterize", 5.0, "ShearY", -0.2), ("Sharpness", 0.5, "Invert", 0.0)]
+    for first, m1, second, m2 in chains:
+        c = augment_ops.Crop(image)
+        augment_ops.apply_op(policy, c, first, m1, lib)
+        augment_ops.apply_op(policy, c, second, m2, lib)
+        want = theirs(policy, theirs(policy, image, first, m1), second, m2)
+        assert torch.equal(c.tensor(), want), (first, second)
