@@ -8,6 +8,9 @@ own format is converted once from the bench's images (``convert``), outside the 
 cached under the data set's folder (peers/NAME/); wids and SPDL read the shards as they are.
 """
 
+# A long module: one setup per peer loader, each as its own documentation writes it, side by side
+# so that a reader compares them in one place.
+
 from __future__ import annotations
 
 import json

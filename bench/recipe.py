@@ -27,6 +27,9 @@ Parts:
 Rounds of a part interleave their settings, so a slow minute of a shared machine lands on all.
 """
 
+# A long module: one part per question of the recipe's report (ops, a worker's added cost, the
+# loader, the digits' accuracy), sharing the data and the timing helpers.
+
 from __future__ import annotations
 
 import argparse

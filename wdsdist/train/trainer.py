@@ -7,6 +7,9 @@ optimizer, loaders, reporter, and the components that own their schedules: the e
 writes; every rank takes part in the collectives, in the same order.
 """
 
+# A long module: building a run (model, loaders, schedule, checkpoint) and its loop, the screen
+# a reader follows from start to the last checkpoint; the step is step.py, the feed feed.py.
+
 from __future__ import annotations
 
 import json
