@@ -8,7 +8,7 @@ predict.py outputs/RUN --export onnx                  # RUN/model.onnx, checked 
 torchrun --nproc_per_node=8 predict.py outputs/RUN 'SPEC' --out-dir DIR --out all.jsonl   # a whole data set
 """
 
-from wdsdist.train.predict import run
+from wdsdist.predict.cli import run
 
 if __name__ == "__main__":
     run()

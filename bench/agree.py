@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, port: int, iters: int, warmup: int, step_s: flo
     import torch
     import torch.distributed as dist
 
-    from wdsdist.train import distributed
+    from wdsdist.cluster import distributed
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -262,7 +262,7 @@ def machine(sizes: Sizes) -> dict:
         "device": sizes.device,
     }
     if sizes.device == "cuda":
-        from wdsdist.train.distributed import driver_version
+        from wdsdist.cluster.distributed import driver_version
 
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)

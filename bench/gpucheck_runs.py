@@ -152,7 +152,7 @@ def train_py(
     WORK/runs/NAME and read what it says."""
     run_dir = check.work / "runs" / name
     args = [*overrides, f"outputs={check.work / 'outputs'}", f"run_dir={run_dir}"]
-    launch = ["-m", "wdsdist.train.launch", "--nproc_per_node=1", f"--master_port={free_port()}"] if torchrun else []
+    launch = ["-m", "wdsdist.cluster.launch", "--nproc_per_node=1", f"--master_port={free_port()}"] if torchrun else []
     # The rehearsal forks its runs (gpucheck_fork.py), torchrun's worker too: torchrun runs
     # train.py in a process forked from its agent instead of a fresh `python -u train.py`.
     launch += ["--run-path", "--start-method=fork"] if torchrun and check.preloaded else []

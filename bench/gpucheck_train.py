@@ -41,7 +41,7 @@ def pure_compute(overrides: list[str], device: str, steps: int) -> float:
     """Samples/s of the trainer's own step on random images already on the device."""
     import torch
 
-    from wdsdist.train.distributed import Dist
+    from wdsdist.cluster.distributed import Dist
     from wdsdist.train.evaluate import OnDevice
     from wdsdist.train.model import build_optimizer, seeded_model
     from wdsdist.train.step import train_step

@@ -1,7 +1,7 @@
 """The prediction row of ``./run bench.py``: predict.py --out-dir's images/s over the data set,
 beside what bounds it, each in its own process:
 
-- ``predict``: predict.py's job (wdsdist.train.predict_job) on one rank: the loader's workers
+- ``predict``: predict.py's job (wdsdist.predict.job) on one rank: the loader's workers
   decode, the main process runs the model, parts are written as they are settled;
 - ``predict-loader``: the same loader alone (split=samples, evaluation's resize and centre crop,
   the same workers and batch), nothing done with its batches;
@@ -35,8 +35,8 @@ def model_folder(data: Path) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from wdsdist.train.export import EVAL_RATIO, FORMAT
-    from wdsdist.train.model import make_model
+    from wdsdist.model.build import make_model
+    from wdsdist.model.saved import EVAL_RATIO, FORMAT
 
     torch.manual_seed(0)
     model = make_model(ARCH, CLASSES, SIZE)
@@ -73,15 +73,16 @@ def run(name: str, info: dict, workers: int, batch: int, limit_seconds: float) -
 
 
 def predict(info: dict, workers: int, batch: int) -> dict:
-    from wdsdist.train.predict import parse_args
-    from wdsdist.train.predict_job import run_job
+    from dataclasses import replace
+
+    from wdsdist.predict.cli import options
+    from wdsdist.predict.job import run_job
 
     model = model_folder(Path(info["index"]).parent.parent)
     with tempfile.TemporaryDirectory(prefix="bench-predict-") as out:
-        args = parse_args([model, info["index"], "--out-dir", out, "--workers", str(workers)])
-        args.batch_size, args.device = batch, "cpu"
+        opts = options([model, info["index"], "--out-dir", out, "--workers", str(workers)])
         start = time.perf_counter()
-        line, status = run_job(args)
+        line, status = run_job(replace(opts, batch_size=batch, device="cpu"))
         wall = time.perf_counter() - start
         if status != 0:
             raise SystemExit(f"predict.py failed: {line}")
@@ -105,7 +106,7 @@ def loader_alone(info: dict, workers: int, batch: int) -> dict:
 def model_alone(info: dict, batch: int, limit_seconds: float) -> dict:
     import torch
 
-    from wdsdist.train.classify import load_model
+    from wdsdist.model.classify import load_model
 
     model, _ = load_model(model_folder(Path(info["index"]).parent.parent))
     images = torch.randint(0, 256, (batch, 3, SIZE, SIZE), dtype=torch.uint8)

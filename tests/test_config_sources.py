@@ -117,7 +117,7 @@ def test_the_trainer_hands_every_loader_option_over(tmp_path):
 
 def test_the_node_order_and_the_ranks_per_node_reach_the_loader():
     """loader.shard_order=node from the command line; the ranks per node from torchrun's
-    LOCAL_WORLD_SIZE, which Dist carries (wdsdist/train/distributed.py reads it)."""
+    LOCAL_WORLD_SIZE, which Dist carries (wdsdist/cluster/distributed.py reads it)."""
     cfg = compose_config(
         ["loader.mode=epoch", "loader.shard_order=node", "trainer.batch_size=5", "data.synthetic=null"]
     )

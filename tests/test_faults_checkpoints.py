@@ -29,8 +29,8 @@ def save(run_dir: Path, step: int, keep: int = 3, generation: int = 1) -> str:
     import torch
     from omegaconf import OmegaConf
 
+    from wdsdist.cluster.distributed import Dist
     from wdsdist.train.checkpoint import Generation, save_checkpoint
-    from wdsdist.train.distributed import Dist
 
     torch.manual_seed(step)
     model = torch.nn.Linear(4, 2)

@@ -343,7 +343,7 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(shards, tmp_p
 
 
 def test_the_stall_message_names_the_ranks_behind():
-    from wdsdist.train.faults import stall_message
+    from wdsdist.cluster.faults import stall_message
 
     states = {0: (40, 7, "step"), 1: (31, 7, "data"), 2: (33, 7, "data"), 3: (52, 7, "step")}
     assert stall_message(states, 4, 60.4, 60) == (
@@ -359,10 +359,10 @@ def test_the_stall_message_names_the_ranks_behind():
 
 
 def test_a_failed_rendezvous_is_one_line_naming_the_endpoint():
-    """./run torchrun (wdsdist.train.launch) says a lost rendezvous host in one line."""
+    """./run torchrun (wdsdist.cluster.launch) says a lost rendezvous host in one line."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-    from wdsdist.train.launch import endpoint, rendezvous_line
+    from wdsdist.cluster.launch import endpoint, rendezvous_line
 
     try:
         raise RendezvousConnectionError("The connection to the C10d store has failed.") from RuntimeError("Broken pipe")

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import run_script
+from wdsdist.cluster import distributed
+from wdsdist.cluster.distributed import arch_unsupported, bf16_autocast, cuda_unusable, driver_version
 from wdsdist.errors import JobError, UserError
-from wdsdist.train import distributed
-from wdsdist.train.distributed import arch_unsupported, bf16_autocast, cuda_unusable, driver_version
 
 PROPRIETARY = (
     "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
@@ -219,7 +219,7 @@ BROADCAST_RANK = """
 import os, sys
 import torch
 import torch.distributed as dist
-from wdsdist.train import distributed
+from wdsdist.cluster import distributed
 
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)

@@ -1,4 +1,5 @@
-"""The package layout draws the architecture: data/ is the loader, tools/, train/ and simdist/ use it; inside
+"""The package layout draws the architecture: data/ is the loader; tools/, model/, train/, predict/ and
+simdist/ use it; train/ and predict/ share cluster/ and model/ and never import each other; inside
 data/, the subpackages import one another only along the arrows below, and no module of the
 package takes part in an import circle or reaches for another module's private name."""
 
@@ -68,14 +69,19 @@ def test_data_imports_nothing_of_wdsdist_but_itself_and_errors(path: Path) -> No
 
 
 # What each package of wdsdist may import of the others: the loader stands alone; the shard
-# writer and synthetic set (tools) use its readers; the trainer and simdist use both; nothing
-# imports the trainer, simdist or the Lightning module.
+# writer and synthetic set (tools) use its readers; cluster (torchrun's environment, faults) stands
+# on errors alone; the model a run leaves (model) uses the loader's and tools' readers; training
+# (train) and prediction (predict) each use all of those, and never each other; nothing imports
+# the trainer, prediction, simdist or the Lightning module.
 PACKAGE_ARROWS = {
     "errors": set(),
     "data": {"errors"},
     "tools": {"data", "errors"},
     "simdist": {"data", "errors", "tools"},
-    "train": {"data", "errors", "tools"},
+    "cluster": {"errors"},
+    "model": {"data", "errors", "tools"},
+    "train": {"cluster", "data", "errors", "model", "tools"},
+    "predict": {"cluster", "data", "errors", "model", "tools"},
     "lightning": {"data", "errors"},
     "preload": set(),
 }
@@ -102,6 +108,21 @@ def test_packages_import_along_the_arrows(path: Path) -> None:
 
 def test_the_package_arrows_have_no_circle() -> None:
     assert not _circles(PACKAGE_ARROWS)
+
+
+def test_training_and_prediction_meet_only_in_the_shared_packages() -> None:
+    """Neither application imports the other, directly or through a package they share."""
+
+    def reach(part: str) -> set[str]:
+        seen, todo = set(), [part]
+        while todo:
+            for nxt in PACKAGE_ARROWS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert "predict" not in reach("train") and "train" not in reach("predict")
+    assert reach("train") & reach("predict") >= {"cluster", "model"}
 
 
 @pytest.mark.parametrize(
@@ -234,9 +255,14 @@ def test_the_private_name_check_sees_both_forms(tmp_path: Path) -> None:
     assert private_uses(probe, tmp_path) == ["s3open._client", "wdsdist.data.sources.httpopen._Meter"]
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "train").rglob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [p for part in ("train", "predict", "model", "cluster") for p in sorted((PACKAGE / part).rglob("*.py"))],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
 def test_train_uses_only_the_loaders_public_api(path: Path) -> None:
-    """The trainer is a user of the loader like any other: only names in wdsdist.data.__all__."""
+    """The trainer and prediction are users of the loader like any other: only names in
+    wdsdist.data.__all__."""
     import wdsdist.data
 
     used = {n.removeprefix("wdsdist.data.") for n in imported_modules(path) if n.startswith("wdsdist.data.")}
@@ -258,7 +284,7 @@ def test_every_public_name_resolves() -> None:
 def test_no_test_module_imports_another(path: Path) -> None:
     """Shared helpers live in tests/helpers/ (and fixtures in conftest.py): a test module read alone
     is the whole of its subject."""
-    others = sorted(n for n in imported_modules(path) if re.fullmatch(r"tests\.test_\w+", n))
+    others = sorted(n for n in imported_modules(path) if re.fullmatch(r"tests\.(\w+\.)*test_\w+", n))
     assert others == [], f"{path.relative_to(ROOT)} imports test modules {others}: move what it needs to tests/helpers/"
 
 

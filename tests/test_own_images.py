@@ -99,14 +99,14 @@ def test_predict_names_and_skips_an_unreadable_image_and_writes_json_lines(digit
 
 def test_the_exported_weights_load_into_plain_torchvision_as_the_docs_show(digits):
     """docs/predict.md's lines, run as written: the same logits as the trainer's own model."""
-    from wdsdist.train import export
+    from wdsdist.model import saved
 
     text = (ROOT / "docs" / "predict.md").read_text()
     [code] = re.findall(r"```python\n(.*?)```", text, re.S)
     space = {"RUN": str(digits["run"])}
     exec(code, space)
     plain = space["model"].eval()
-    ours, _ = export.load(str(digits["run"]))
+    ours, _ = saved.load(str(digits["run"]))
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         assert (plain(images) - ours(images)).abs().max() <= 1e-5
@@ -188,7 +188,7 @@ def test_bad_inputs_get_one_line_each(digits, tmp_path):
 
 def test_torchvision_weights_offline_are_named_with_their_file_and_url(monkeypatch, tmp_path):
     from wdsdist.errors import UserError
-    from wdsdist.train import weights
+    from wdsdist.model import weights
 
     def offline(*args, **kwargs):
         raise OSError("no network")
@@ -209,7 +209,7 @@ def test_timm_without_its_extra_is_one_line(monkeypatch):
     import sys
 
     from wdsdist.errors import UserError
-    from wdsdist.train.model import timm_model
+    from wdsdist.model.build import timm_model
 
     monkeypatch.setitem(sys.modules, "timm", None)
     with pytest.raises(

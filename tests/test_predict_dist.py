@@ -241,7 +241,7 @@ def test_features_are_one_float16_array_per_part_equal_to_the_models_penultimate
     import torch
 
     from wdsdist.data import LoaderConfig, decode_eval
-    from wdsdist.train.classify import Penultimate, load_model
+    from wdsdist.model.classify import Penultimate, load_model
 
     out = featured["out"]
     model, config = load_model(str(data["model"]))
@@ -334,7 +334,7 @@ def test_a_parquet_output_without_pyarrow_is_refused_naming_the_extra(data, tmp_
 
 
 def test_part_names_from_shard_urls_stay_inside_the_parts_folder():
-    from wdsdist.train.parts import part_names
+    from wdsdist.predict.parts import part_names
 
     hostile = ["s3://b/../../etc/passwd.tar", "http://h/a/..", "/x/.hidden.tar", "hf://datasets/o/n@sha/x y?.tar"]
     names = part_names(hostile)
@@ -357,7 +357,8 @@ def test_the_progress_bar_on_rank_0_counts_every_ranks_images_from_the_store(mon
 
     import torch
 
-    from wdsdist.train import distributed, predict_job
+    from wdsdist.cluster import distributed
+    from wdsdist.predict import job as predict_job
 
     class Store:  # every rank's images so far, as the job's store counts them
         def add(self, key, n):
@@ -381,7 +382,7 @@ def test_a_model_name_brings_its_classes_preprocessing_and_penultimate_features(
     import torch
     import torchvision
 
-    from wdsdist.train import classify, weights
+    from wdsdist.model import classify, weights
 
     def timm_model(model: str, num_classes: int, pretrained: bool):
         import timm
@@ -402,12 +403,13 @@ def test_a_model_name_brings_its_classes_preprocessing_and_penultimate_features(
 def test_a_rank_that_does_not_see_the_output_folder_is_named_in_one_line(data, monkeypatch, tmp_path):
     """On several nodes the folder must be shared: rank 0 names the first rank that does not see
     its manifest, in one line, before anything is scored (here rank 1 of two is made blind)."""
+    from wdsdist.cluster import distributed
     from wdsdist.data import UserError
-    from wdsdist.train import distributed, predict_job
-    from wdsdist.train.predict import parse_args
+    from wdsdist.predict import job as predict_job
+    from wdsdist.predict.cli import options
 
     out = tmp_path / "out"
-    args = parse_args([str(data["model"]), str(data["index"]), "--out-dir", str(out), "--workers", "0"])
+    args = options([str(data["model"]), str(data["index"]), "--out-dir", str(out), "--workers", "0"])
     monkeypatch.setattr(distributed, "all_gather_object", lambda seen: [True, False])
     with pytest.raises(UserError) as refused:
         predict_job.run_job(args)

@@ -16,9 +16,9 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from tests.helpers.config import compose_config
+from wdsdist.cluster.distributed import Dist
 from wdsdist.errors import UserError
 from wdsdist.train import config, recipe
-from wdsdist.train.distributed import Dist
 from wdsdist.train.ema import Ema
 from wdsdist.train.mixing import BatchMix
 from wdsdist.train.model import build_model, compiled, param_groups, synced_batchnorm
@@ -276,8 +276,8 @@ def test_a_recipe_option_that_does_not_go_with_another_is_refused_naming_both(ov
 
 
 def test_the_exported_config_names_the_ema_and_evaluations_sizes_which_predict_takes(tmp_path):
+    from wdsdist.model.classify import load_model
     from wdsdist.train import export
-    from wdsdist.train.predict import load_model
 
     overrides = ["data.image_size=[[0,16],[0.5,24]]", "data.eval_size=20", "data.eval_resize=28", "data.num_classes=10"]
     cfg = compose_config([*overrides, "data.classes=[a,b,c,d,e,f,g,h,i,j]"])

@@ -24,6 +24,7 @@ import torch
 from tests.conftest import write_tiny_shards
 from tests.helpers.servers import Servers, counting_store
 from wdsdist import simdist
+from wdsdist.cluster import distributed
 from wdsdist.data import EvalLoader, Loader
 from wdsdist.data.delivery.pipeline import make_loader
 from wdsdist.data.options import LoaderConfig
@@ -35,7 +36,6 @@ from wdsdist.data.sources.index import local_sample_offsets, write_index
 from wdsdist.data.sources.shardspec import SampleOffsets, Shard
 from wdsdist.data.sources.spanread import part_span
 from wdsdist.errors import UserError
-from wdsdist.train import distributed
 
 WAIT = 120  # seconds a test waits for another process's answer before it fails (never a pause)
 FORK = multiprocessing.get_context("fork")
@@ -173,7 +173,7 @@ def test_a_layout_the_node_order_cannot_take_is_refused_in_one_line(tiny_shards)
 
 
 def test_the_ranks_per_node_are_read_from_torchrun_in_the_one_place_that_reads_its_env(monkeypatch):
-    """wdsdist/train/distributed.py reads LOCAL_WORLD_SIZE beside RANK and WORLD_SIZE (the trainer
+    """wdsdist/cluster/distributed.py reads LOCAL_WORLD_SIZE beside RANK and WORLD_SIZE (the trainer
     hands Dist.local_world to the loader as node_ranks: tests/test_config_sources.py)."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "two")):
         monkeypatch.setenv(name, value)

@@ -277,7 +277,7 @@ class Cluster:
         """Node ``node``'s torchrun agent (``nproc`` ranks) running train.py with ``script_args``."""
         who = f"n{node}"
         argv = [
-            *(sys.executable, "-m", "wdsdist.train.launch"),  # ./run torchrun's launcher
+            *(sys.executable, "-m", "wdsdist.cluster.launch"),  # ./run torchrun's launcher
             f"--nnodes={nnodes}",
             f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}",

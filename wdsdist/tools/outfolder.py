@@ -73,6 +73,12 @@ def written_whole(path: str) -> Iterator[str]:
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
+def write_text(path: str, text: str) -> None:
+    """``text`` into ``path`` (UTF-8), written whole."""
+    with written_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def check_local_output(path: str, what: str) -> None:
     """Refuse an output that is not a plain local path: webdataset's gopen would run ``pipe:``
     as a shell command and hand URLs (http:, s3:, file:, ...) to its tools, and outputs are

@@ -1,1 +1,1 @@
-"""Training: the config schema, the one reader of torchrun's environment, the loop, fault handling."""
+"""Training: the typed config, the loop and its recipe, evaluation, checkpoints and the report."""

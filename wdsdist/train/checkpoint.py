@@ -24,24 +24,19 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from wdsdist.cluster import distributed
+from wdsdist.cluster.distributed import Dist
+from wdsdist.cluster.faults import Watchdog
 from wdsdist.data import Loader
 from wdsdist.errors import JobError, UserError
-from wdsdist.tools.outfolder import written_whole
-from wdsdist.train import distributed
-from wdsdist.train.distributed import Dist
+from wdsdist.tools.outfolder import write_text
 from wdsdist.train.ema import Ema
-from wdsdist.train.faults import Watchdog
 from wdsdist.train.report import Reporter
 
 CKPT_FORMAT = "wdsdist-checkpoint-v1"
 
 
 # ---------------------------------------------------------------- files
-
-
-def write_text(path: str, text: str) -> None:
-    with written_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def _atomic_save(obj: Any, path: str, may_write: Any = None) -> None:

@@ -30,6 +30,7 @@ from omegaconf.errors import (
 
 from wdsdist.data import LoaderMode, SampleOptions, StreamOptions, option_problems
 from wdsdist.errors import DataError, JobError, UserError, console_logging, die
+from wdsdist.model.build import Stem
 from wdsdist.train import recipe
 from wdsdist.train.argv import SHARD_KEYS, shard_argv
 
@@ -37,12 +38,6 @@ from wdsdist.train.argv import SHARD_KEYS, shard_argv
 class OptimName(Enum):
     sgd = "sgd"
     adamw = "adamw"
-
-
-class Stem(Enum):
-    auto = "auto"  # small for images under 112 pixels (ResNet-style models), else imagenet
-    imagenet = "imagenet"  # the model as torchvision builds it
-    small = "small"  # 3x3 stride-1 first convolution: keeps the resolution of small images
 
 
 class Device(Enum):
@@ -108,7 +103,7 @@ class ModelConfig:
     name: str = "resnet18"  # any torchvision classification model, or timm/NAME (the [timm] extra)
     stem: Stem = Stem.auto
     # A pretrained start: DEFAULT or a torchvision weights name, or a .safetensors/.pt file or run
-    # directory (wdsdist/train/weights.py); its mean, std and image size apply unless given too.
+    # directory (wdsdist/model/weights.py); its mean, std and image size apply unless given too.
     weights: str | None = None
     freeze_steps: int = 0  # with weights: only the new head trains for this many steps
 

@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from wdsdist.train import distributed
-from wdsdist.train.distributed import Dist
-from wdsdist.train.faults import Watchdog
+from wdsdist.cluster import distributed
+from wdsdist.cluster.distributed import Dist
+from wdsdist.cluster.faults import Watchdog
 from wdsdist.train.report import Reporter
 
 

@@ -7,11 +7,11 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
+from wdsdist.cluster import distributed, faults
+from wdsdist.cluster.distributed import Dist
 from wdsdist.data import Loader
 from wdsdist.errors import DataError
-from wdsdist.train import distributed, faults
 from wdsdist.train.config import LoaderMode
-from wdsdist.train.distributed import Dist
 from wdsdist.train.report import Reporter
 
 

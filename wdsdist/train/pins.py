@@ -12,11 +12,11 @@ import os
 
 from omegaconf import DictConfig
 
+from wdsdist.cluster import distributed
+from wdsdist.cluster.distributed import Dist
 from wdsdist.data import LoaderConfig, pin_spec
 from wdsdist.errors import UserError
-from wdsdist.train import distributed
-from wdsdist.train.checkpoint import write_text
-from wdsdist.train.distributed import Dist
+from wdsdist.tools.outfolder import write_text
 
 log = logging.getLogger(__name__)
 

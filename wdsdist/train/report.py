@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torchvision
 
+from wdsdist.cluster import distributed
+from wdsdist.cluster.distributed import Dist
 from wdsdist.data import CACHE_COUNTS
-from wdsdist.train import distributed
-from wdsdist.train.distributed import Dist
 
 if TYPE_CHECKING:
     from wdsdist.data import Plan

@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from wdsdist.cluster import distributed, faults
+from wdsdist.cluster.distributed import Dist
 from wdsdist.data import CACHE_COUNTS, LoaderConfig
-from wdsdist.train import distributed, faults, recipe
+from wdsdist.train import recipe
 from wdsdist.train.checkpoint import Checkpointer, Generation
-from wdsdist.train.distributed import Dist
 from wdsdist.train.ema import Ema
 from wdsdist.train.evaluate import Evaluator, OnDevice
 from wdsdist.train.feed import Feed

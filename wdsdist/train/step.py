@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from wdsdist.train import faults
+from wdsdist.cluster import faults
 from wdsdist.train.run import Run, report_epoch
 
 

@@ -21,11 +21,14 @@ from typing import Any, NoReturn
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from wdsdist.cluster import distributed, faults
+from wdsdist.cluster.distributed import Dist, on_all_ranks
 from wdsdist.data import EvalLoader, Loader, LoaderConfig, Shard, Source, expand_shards
 from wdsdist.errors import UserError
-from wdsdist.tools.outfolder import make_output_folder
+from wdsdist.model import classes
+from wdsdist.tools.outfolder import make_output_folder, write_text
 from wdsdist.tools.shards import check_local_output, from_synthetic, synthetic_is_current
-from wdsdist.train import classes, distributed, export, faults, recipe
+from wdsdist.train import export, recipe
 from wdsdist.train.checkpoint import (
     Checkpointer,
     Generation,
@@ -36,10 +39,8 @@ from wdsdist.train.checkpoint import (
     resolve_run_dir,
     restore,
     same_job,
-    write_text,
 )
 from wdsdist.train.config import LoaderMode, check, given_keys
-from wdsdist.train.distributed import Dist, on_all_ranks
 from wdsdist.train.ema import Ema
 from wdsdist.train.evaluate import Evaluator, OnDevice, params_fingerprint
 from wdsdist.train.feed import Feed

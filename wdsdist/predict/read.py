@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from wdsdist.data import DataError, Loader, LoaderConfig, Shard, UserError, decode_eval
-from wdsdist.train.collect import Run, Unit
-from wdsdist.train.parts import part_names
+from wdsdist.predict.collect import Run, Unit
+from wdsdist.predict.parts import part_names
 
 log = logging.getLogger(__name__)
 

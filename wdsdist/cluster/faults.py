@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from wdsdist.train.distributed import after_loss
+from wdsdist.cluster.distributed import after_loss
 
 EXIT_STOPPED = 143  # 128 + SIGTERM, what a shell reports for a terminated process: stopped, not finished
 EXIT_STALLED = 1

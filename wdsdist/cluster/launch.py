@@ -1,4 +1,4 @@
-"""``./run torchrun`` (``python -m wdsdist.train.launch``): torchrun itself, with two changes.
+"""``./run torchrun`` (``python -m wdsdist.cluster.launch``): torchrun itself, with two changes.
 
 - A rendezvous that fails is one line, not torch's traceback: the rendezvous host lost or never
   reachable, or a join that timed out, is the operator's to fix, and they need the endpoint and

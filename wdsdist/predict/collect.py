@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from wdsdist.train import parts
+from wdsdist.predict import parts
 
 log = logging.getLogger(__name__)
 

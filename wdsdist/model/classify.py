@@ -13,9 +13,8 @@ import torch.nn as nn
 import torchvision
 
 from wdsdist.data import UserError
-from wdsdist.train import export, weights
-from wdsdist.train.config import Stem
-from wdsdist.train.model import TIMM, make_model, timm_model
+from wdsdist.model import saved, weights
+from wdsdist.model.build import TIMM, Stem, make_model, timm_model
 
 
 class Classifier(nn.Module):
@@ -41,7 +40,7 @@ def load_model(path: str) -> tuple[Classifier, dict[str, Any]]:
         except UserError as exc:
             raise UserError(f"{path}: its pretrained weights cannot be loaded: {exc}") from None
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")):
-        model, config = export.load(path)
+        model, config = saved.load(path)
     else:
         ckpt_path = os.path.join(path, "latest.pt") if os.path.isdir(path) else path
         if not os.path.isfile(ckpt_path):
@@ -59,7 +58,7 @@ def pretrained_model(name: str) -> tuple[nn.Module, dict[str, Any]]:
         size = pre["input_size"][-1]
         classes = imagenet_names(getattr(model, "num_classes", 0))
         config = {"mean": list(pre["mean"]), "std": list(pre["std"]), "image_size": size}
-        config |= {"resize": round(size / pre.get("crop_pct", export.EVAL_RATIO)), "classes": classes}
+        config |= {"resize": round(size / pre.get("crop_pct", saved.EVAL_RATIO)), "classes": classes}
     else:
         found = weights.find("DEFAULT", name)
         model = torchvision.models.get_model(name, weights=None)
@@ -105,7 +104,7 @@ def from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
     except RuntimeError as exc:
         raise UserError(f"{path}: its weights do not fit {name}: {str(exc).splitlines()[-1].strip()}") from None
     size = data.get("eval_size") or trained
-    resize = data.get("eval_resize") or round(size / export.EVAL_RATIO)
+    resize = data.get("eval_resize") or round(size / saved.EVAL_RATIO)
     config = {"classes": classes, "image_size": size, "resize": resize, "mean": data["mean"], "std": data["std"]}
     return model.eval(), config | {"num_classes": len(classes), "architecture": name}
 

@@ -9,7 +9,7 @@ import os
 from omegaconf import DictConfig
 
 from wdsdist.data import LoaderConfig, UserError, index_classes
-from wdsdist.train.checkpoint import write_text
+from wdsdist.tools.outfolder import write_text
 
 
 def from_index(cfg: DictConfig, loader_cfg: LoaderConfig) -> tuple[str, list[str]] | None:

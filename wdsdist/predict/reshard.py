@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from wdsdist.data import DataError, LoaderConfig, shard_samples, write_index
+from wdsdist.predict.collect import Unit
+from wdsdist.predict.parts import npy_bytes
 from wdsdist.tools.outfolder import written_whole
-from wdsdist.train.collect import Unit
-from wdsdist.train.parts import npy_bytes
 
 INDEX = "predicted.index.json"
 

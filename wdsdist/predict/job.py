@@ -14,7 +14,6 @@ store (distributed.store), so its rate and ETA are the job's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,11 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from wdsdist.cluster import distributed, faults
 from wdsdist.data import DataError, LoaderConfig, UserError, pin_spec
-from wdsdist.train import distributed, faults, parts, reshard
-from wdsdist.train.classify import Penultimate, load_model, model_hash, top_k
-from wdsdist.train.collect import Collector, Unit
-from wdsdist.train.predict_read import Batch, file_stream, file_units, image_files, kind_of, shard_stream, shard_units
+from wdsdist.model.classify import Penultimate, load_model, model_hash, top_k
+from wdsdist.predict import parts, reshard
+from wdsdist.predict.collect import Collector, Unit
+from wdsdist.predict.options import PredictOptions
+from wdsdist.predict.read import Batch, file_stream, file_units, image_files, kind_of, shard_stream, shard_units
 
 log = logging.getLogger(__name__)
 
@@ -53,61 +54,61 @@ class Job:
     sources: list[Any] = field(default_factory=list)  # the Shard objects, or the files' paths
 
 
-def loader_config(args: argparse.Namespace, config: dict, dist: distributed.Dist) -> LoaderConfig:
+def loader_config(opts: PredictOptions, config: dict, dist: distributed.Dist) -> LoaderConfig:
     size, resize = config["image_size"], config.get("resize")
     return LoaderConfig(
-        batch_size=args.batch_size,
+        batch_size=opts.batch_size,
         image_size=size,
         eval_size=size,
         eval_resize=resize,
         train=False,
-        workers=args.workers,
+        workers=opts.workers,
         with_keys=True,
-        strict=args.strict,
+        strict=opts.strict,
         shuffle_buffer=0,
-        decode=args.decode,
+        decode=opts.decode,
         pin_memory=dist.device.type == "cuda",
         node_ranks=dist.local_world,
-        cache_dir=args.cache_dir,
+        cache_dir=opts.cache_dir,
         reuse_buffers=False,
     )
 
 
-def identity(args: argparse.Namespace, model_id: str, config: dict, cuda: bool) -> dict:
+def identity(opts: PredictOptions, model_id: str, config: dict, cuda: bool) -> dict:
     """What the output folder's parts depend on: another value of any of these is another job."""
     options = {
-        "top_k": args.top_k,
-        "features": args.features,
+        "top_k": opts.top_k,
+        "features": opts.features,
         "image_size": config["image_size"],
         "resize": config.get("resize"),
         "precision": "bf16" if cuda else "float32",
     }
-    if kind_of(args.inputs) == "files":
-        options["part_size"] = args.part_size
-    return {"model": model_id, "spec": list(args.inputs), "options": options}
+    if kind_of(opts.inputs) == "files":
+        options["part_size"] = opts.part_size
+    return {"model": model_id, "spec": list(opts.inputs), "options": options}
 
 
-def plan(args: argparse.Namespace, cfg: LoaderConfig, ident: dict) -> Job:
+def plan(opts: PredictOptions, cfg: LoaderConfig, ident: dict) -> Job:
     """Rank 0: the units, the manifest made or checked, leftover pieces joined, what is still to do."""
-    kind = kind_of(args.inputs)
-    manifest = parts.open_manifest(args.out_dir, ident, "predict.py --out-dir")
+    kind = kind_of(opts.inputs)
+    manifest = parts.open_manifest(opts.out_dir, ident, "predict.py --out-dir")
     if kind == "shards":
         # hf:// at the commit its revision names now, kept in the manifest: a restart reads the
         # same bytes, whatever the branch did since
-        manifest.setdefault("pinned", [pin_spec(item, cfg.access) for item in args.inputs])
+        manifest.setdefault("pinned", [pin_spec(item, cfg.access) for item in opts.inputs])
         units, sources = shard_units(manifest["pinned"], cfg)
     if kind == "files":
-        sources = listing(args.out_dir, args.inputs)
-        units = file_units(sources, args.part_size)
-    if args.write_shards:
-        check_shards_folder(args.write_shards, kind, units)
-    os.makedirs(os.path.join(args.out_dir, "parts"), exist_ok=True)
-    parts.remove_temporaries(args.out_dir)
-    empty_now = write_empty_parts(args.out_dir, units, args.features)
-    done = settle_parts(args.out_dir, units, args.features, manifest)
-    parts.save_manifest(args.out_dir, manifest)
-    for name, spans in parts.pieces_of(args.out_dir).items():  # a layout's leftovers: redone whole
-        parts.remove_pieces(args.out_dir, name, spans)
+        sources = listing(opts.out_dir, opts.inputs)
+        units = file_units(sources, opts.part_size)
+    if opts.write_shards:
+        check_shards_folder(opts.write_shards, kind, units)
+    os.makedirs(os.path.join(opts.out_dir, "parts"), exist_ok=True)
+    parts.remove_temporaries(opts.out_dir)
+    empty_now = write_empty_parts(opts.out_dir, units, opts.features)
+    done = settle_parts(opts.out_dir, units, opts.features, manifest)
+    parts.save_manifest(opts.out_dir, manifest)
+    for name, spans in parts.pieces_of(opts.out_dir).items():  # a layout's leftovers: redone whole
+        parts.remove_pieces(opts.out_dir, name, spans)
     todo = [i for i in range(len(units)) if i not in done]
     return Job(kind, units, todo, len(done - empty_now), list(sources))
 
@@ -189,7 +190,7 @@ class Scorer:
 
 
 def score_rank(
-    args: argparse.Namespace, job: Job, cfg: LoaderConfig, scorer: Scorer, dist: distributed.Dist, progress: Progress
+    opts: PredictOptions, job: Job, cfg: LoaderConfig, scorer: Scorer, dist: distributed.Dist, progress: Progress
 ) -> dict:
     """This rank's share of the parts to do, scored and written; its counts."""
     start = time.monotonic()
@@ -202,7 +203,7 @@ def score_rank(
         reads, batches = file_stream(job.sources, job.units, job.todo, cfg, dist.rank, dist.world)
         name = lambda u, key: key  # noqa: E731
     collector = Collector(
-        args.out_dir, job.units, reads, args.features, lambda u, o: skipped_name(job, u, o), on_part(args, job, cfg)
+        opts.out_dir, job.units, reads, opts.features, lambda u, o: skipped_name(job, u, o), on_part(opts, job, cfg)
     )
     store = distributed.store()
     by_url = {u.source: i for i, u in enumerate(job.units)}
@@ -226,30 +227,30 @@ def score_rank(
     return {"scored": collector.scored, "skipped": collector.skipped, "seconds": end - start, "steady": steady}
 
 
-def on_part(args: argparse.Namespace, job: Job, cfg: LoaderConfig) -> Any:
+def on_part(opts: PredictOptions, job: Job, cfg: LoaderConfig) -> Any:
     """What follows a part written whole on this rank: with --write-shards, its shard again."""
-    if not args.write_shards or job.kind != "shards":
+    if not opts.write_shards or job.kind != "shards":
         return lambda unit: None
-    parts_dir = os.path.join(args.out_dir, "parts")
+    parts_dir = os.path.join(opts.out_dir, "parts")
 
     def write(unit: int) -> None:
         try:
-            reshard.write_shard(args.write_shards, parts_dir, job.units[unit], cfg, args.features)
+            reshard.write_shard(opts.write_shards, parts_dir, job.units[unit], cfg, opts.features)
         except DataError as exc:  # its part is done; the shard is tried again at the end, and by the next run
             log.warning("--write-shards: %s; that shard is left for later", str(exc).splitlines()[-1])
 
     return write
 
 
-def write_missing_shards(args: argparse.Namespace, job: Job, cfg: LoaderConfig, done: set[int]) -> str | None:
+def write_missing_shards(opts: PredictOptions, job: Job, cfg: LoaderConfig, done: set[int]) -> str | None:
     """Rank 0 at the end: the shards of done parts that no rank wrote (parts joined from pieces,
     or left by a killed job), then DIR2's index once every part is done."""
-    write = on_part(args, job, cfg)
+    write = on_part(opts, job, cfg)
     for i in sorted(done):
-        if not os.path.isfile(reshard.shard_path(args.write_shards, job.units[i])):
+        if not os.path.isfile(reshard.shard_path(opts.write_shards, job.units[i])):
             write(i)
-    written = all(os.path.isfile(reshard.shard_path(args.write_shards, u)) for u in job.units)
-    return reshard.write_shards_index(args.write_shards, job.units) if written else None
+    written = all(os.path.isfile(reshard.shard_path(opts.write_shards, u)) for u in job.units)
+    return reshard.write_shards_index(opts.write_shards, job.units) if written else None
 
 
 def file_batch(batch: Batch, collector: Collector, scorer: Scorer, name: Any, by_url: dict[str, int]) -> None:
@@ -320,19 +321,19 @@ class Progress:
             self.bar.close()
 
 
-def finish(args: argparse.Namespace, job: Job, cfg: LoaderConfig, stats: list[dict]) -> tuple[str, int]:
+def finish(opts: PredictOptions, job: Job, cfg: LoaderConfig, stats: list[dict]) -> tuple[str, int]:
     """Rank 0, once every rank is done: pieces joined, the manifest's parts, --out; the summary
     line and the exit status (1 where a part's shard could not be read)."""
-    manifest = parts.open_manifest(args.out_dir, {}, "predict.py --out-dir")
-    done = settle_parts(args.out_dir, job.units, args.features, manifest)
+    manifest = parts.open_manifest(opts.out_dir, {}, "predict.py --out-dir")
+    done = settle_parts(opts.out_dir, job.units, opts.features, manifest)
     steady = sum(s["steady"][0] for s in stats), max(s["steady"][1] for s in stats)
     manifest["timing"] = {"images": steady[0], "seconds": round(steady[1], 3), "after": "each rank's first batch"}
-    parts.save_manifest(args.out_dir, manifest)
+    parts.save_manifest(opts.out_dir, manifest)
     missing = [u.source for i, u in enumerate(job.units) if i not in done]
-    index = write_missing_shards(args, job, cfg, done) if args.write_shards and job.kind == "shards" else None
+    index = write_missing_shards(opts, job, cfg, done) if opts.write_shards and job.kind == "shards" else None
     rows = None
-    if args.out and not missing:
-        rows = parts.join(args.out_dir, [u.name for u in job.units], args.out)
+    if opts.out and not missing:
+        rows = parts.join(opts.out_dir, [u.name for u in job.units], opts.out)
     scored = sum(s["scored"] for s in stats)
     seconds = max(s["seconds"] for s in stats)
     rates = ", ".join(f"{s['scored'] / max(s['seconds'], 1e-9):.1f}" for s in stats)
@@ -341,7 +342,7 @@ def finish(args: argparse.Namespace, job: Job, cfg: LoaderConfig, stats: list[di
         f"images/s per rank {rates}, {job.reused} of {len(job.units)} parts reused"
     )
     if rows is not None:
-        line += f"; {rows} rows joined into {args.out}"
+        line += f"; {rows} rows joined into {opts.out}"
     if index is not None:
         line += f"; shards with predictions: {index}"
     if missing:
@@ -361,37 +362,43 @@ def unshared(out_dir: str) -> str | None:
     )
 
 
-def run_job(args: argparse.Namespace) -> tuple[str, int]:
-    """The whole job on this rank: rank 0's summary line and exit status. A refusal on rank 0 (another model
-    in the folder, a spec that names nothing) is one line there, and the other ranks exit with it."""
-    dist = distributed.init("auto" if args.device == "auto" else args.device.split(":")[0])
+def run_job(opts: PredictOptions) -> tuple[str, int]:
+    """The whole job on this rank, in its steps: plan (rank 0), score this rank's share (filed by
+    shard, each part written whole as it settles), join (rank 0). Rank 0's summary line and exit
+    status. A refusal on rank 0 (another model in the folder, a spec that names nothing) is one
+    line there, and the other ranks exit with it."""
+    dist = distributed.init("auto" if opts.device == "auto" else opts.device.split(":")[0])
     try:
-        if args.decode == "gpu" and dist.device.type != "cuda":  # before any file is written
+        if opts.decode == "gpu" and dist.device.type != "cuda":  # before any file is written
             raise UserError(f"--decode gpu: this rank runs on {dist.device}, with no CUDA GPU to decode on")
-        model, config = load_model(args.model)
-        cfg = loader_config(args, config, dist)
-        if args.out:
-            parts.output_format(args.out)
-        job: Job | str
-        if dist.is_main:
-            try:
-                ident = identity(args, model_hash(model, config), config, dist.device.type == "cuda")
-                job = plan(args, cfg, ident)
-            except (UserError, DataError) as exc:  # refused, or a shard that cannot be counted
-                job = str(exc)
-        job = distributed.broadcast_object(job if dist.is_main else None)
-        if isinstance(job, str):
-            if dist.is_main:
-                raise UserError(job)
+        model, config = load_model(opts.model)
+        cfg = loader_config(opts, config, dist)
+        if opts.out:
+            parts.output_format(opts.out)
+        job = planned(opts, cfg, model, config, dist)
+        if job is None:
             return "", 2
-        blind = unshared(args.out_dir)
-        if blind:
-            if dist.is_main:
-                raise UserError(blind)
-            return "", 2
-        scorer = Scorer(model, config, dist.device, args.top_k, args.features)
+        scorer = Scorer(model, config, dist.device, opts.top_k, opts.features)
         with Progress(dist, sum(job.units[i].count for i in job.todo)) as progress:
-            stats = distributed.all_gather_object(score_rank(args, job, cfg, scorer, dist, progress))
-        return finish(args, job, cfg, stats) if dist.is_main else ("", 0)
+            stats = distributed.all_gather_object(score_rank(opts, job, cfg, scorer, dist, progress))
+        return finish(opts, job, cfg, stats) if dist.is_main else ("", 0)
     finally:
         distributed.cleanup()
+
+
+def planned(
+    opts: PredictOptions, cfg: LoaderConfig, model: torch.nn.Module, config: dict, dist: distributed.Dist
+) -> Job | None:
+    """Rank 0's plan, on every rank; a refusal raised on rank 0 and None on the others (they exit)."""
+    refusal, job = None, None
+    if dist.is_main:
+        try:
+            ident = identity(opts, model_hash(model, config), config, dist.device.type == "cuda")
+            job = plan(opts, cfg, ident)
+        except (UserError, DataError) as exc:  # refused, or a shard that cannot be counted
+            refusal = str(exc)
+    refusal, job = distributed.broadcast_object((refusal, job) if dist.is_main else None)
+    refusal = refusal or unshared(opts.out_dir)
+    if refusal and dist.is_main:
+        raise UserError(refusal)
+    return None if refusal else job

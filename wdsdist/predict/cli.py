@@ -18,18 +18,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
 
 import torch
 
 from wdsdist.data import DataError, EvalLoader, LoaderConfig, UserError, decode_eval
 from wdsdist.errors import CliParser, integer, run_cli
-from wdsdist.train.classify import Classifier, load_model, top_k
-from wdsdist.train.parts import write
-from wdsdist.train.predict_read import image_files, is_shards
+from wdsdist.model.classify import Classifier, load_model, top_k
+from wdsdist.predict.options import PredictOptions
+from wdsdist.predict.parts import write
+from wdsdist.predict.read import image_files, is_shards
 
 
-def batches(inputs: list[str], cfg: LoaderConfig, skipped: list[str]) -> Iterator[tuple[list[str], torch.Tensor]]:
+def batches(inputs: Sequence[str], cfg: LoaderConfig, skipped: list[str]) -> Iterator[tuple[list[str], torch.Tensor]]:
     """(names, uint8 images) batches: files decoded here, shards read by the evaluation loader."""
     names, images = [], []
     for item in inputs:
@@ -97,47 +99,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.out_dir is not None and not args.export:
-        if not args.inputs:
-            raise UserError("predict.py --out-dir: give the shard specs or folders to classify")
-        from wdsdist.train.predict_job import run_job
+def options(argv: list[str] | None) -> PredictOptions:
+    """The command line, parsed and typed: what every step below reads."""
+    parsed = vars(parse_args(argv))
+    return PredictOptions(**{f.name: parsed[f.name] for f in fields(PredictOptions)})
 
-        line, status = run_job(args)
+
+def main(argv: list[str] | None = None) -> int:
+    opts = options(argv)
+    if opts.whole_data_set:
+        if not opts.inputs:
+            raise UserError("predict.py --out-dir: give the shard specs or folders to classify")
+        from wdsdist.predict.job import run_job
+
+        line, status = run_job(opts)
         if line:
             print(line, file=sys.stderr)
         return status
-    model, config = load_model(args.model)
-    if args.export:
-        folder = args.model if os.path.isdir(args.model) else os.path.dirname(args.model)
-        out = args.out or os.path.join(folder, "model.onnx")
+    model, config = load_model(opts.model)
+    if opts.export:
+        folder = opts.model if os.path.isdir(opts.model) else os.path.dirname(opts.model)
+        out = opts.out or os.path.join(folder, "model.onnx")
         diff = export_onnx(model, config, out)
         checked = f"; onnxruntime's logits within {diff:.2e} of torch's" if diff is not None else ""
         print(f"wrote {out}{checked}", file=sys.stderr)
         return 0
-    if not args.inputs:
+    if not opts.inputs:
         raise UserError("predict.py: give image files, folders or shard specs to classify")
     auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = torch.device(auto if opts.device == "auto" else opts.device)
     model = model.to(device)
     size, resize = config["image_size"], config.get("resize")  # evaluation's crop and resize (config.json)
     cfg = LoaderConfig(
-        batch_size=args.batch_size, image_size=size, eval_resize=resize, train=False, workers=0, with_keys=True
+        batch_size=opts.batch_size, image_size=size, eval_resize=resize, train=False, workers=0, with_keys=True
     )
     from tqdm import tqdm
 
     rows, skipped = [], []
     with torch.no_grad(), tqdm(unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
-        for names, images in batches(args.inputs, cfg, skipped):
+        for names, images in batches(opts.inputs, cfg, skipped):
             logits = model(images.to(device).float())
-            rows += zip(names, top_k(logits.cpu(), config["classes"], args.top_k), strict=True)
+            rows += zip(names, top_k(logits.cpu(), config["classes"], opts.top_k), strict=True)
             bar.update(len(names))
-    out = open(args.out, "w", newline="", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
+    out = open(opts.out, "w", newline="", encoding="utf-8") if opts.out else sys.stdout  # noqa: SIM115
     try:
-        write(rows, args.format, out)
+        write(rows, opts.format, out)
     finally:
-        if args.out:
+        if opts.out:
             out.close()
     print(f"predict: {len(rows)} images classified" + (f", {len(skipped)} skipped" if skipped else ""), file=sys.stderr)
     return 0 if rows or not skipped else 1
