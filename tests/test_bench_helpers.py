@@ -1,5 +1,5 @@
 """The benchmark's pure helpers, without the peers or the packages the photographs come from
-(those are only in .bench-venv): bench/photos.py's photo set and bench/peervenv.py's split of
+(those are only in .bench-venv): bench/loader/photos.py's photo set and bench/loader/peervenv.py's split of
 the peers' requirements."""
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from PIL import Image
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A bench module by its path under bench/ (``loader.photos``): bench/ is a package."""
+    return importlib.import_module(f"bench.{name}")
 
 
-photos, peervenv = load("photos"), load("peervenv")
+photos, peervenv = load("loader.photos"), load("loader.peervenv")
 
 
 def sources() -> list[np.ndarray]:
@@ -141,7 +139,7 @@ def test_a_peer_left_out_for_packages_is_built_once_they_are_installed(tmp_path,
 
 
 def test_the_peers_bench_stops_in_one_line_naming_what_ffcv_lacks(tmp_path):
-    proc = run_script("bench/bench.py", "--peers", env={"PATH": str(fake_pkg_config(tmp_path, ()))})
+    proc = run_script("bench/loader/bench.py", "--peers", env={"PATH": str(fake_pkg_config(tmp_path, ()))})
     assert proc.returncode != 0
     line = one_error_line(proc)
     assert "apt-get install -y libopencv-dev libturbojpeg0-dev" in line
@@ -150,11 +148,11 @@ def test_the_peers_bench_stops_in_one_line_naming_what_ffcv_lacks(tmp_path):
 
 
 def test_spdls_crop_draw_is_random_resized_crops():
-    """bench/peers.py draws SPDL's crops as torchvision's RandomResizedCrop does: inside the image,
+    """bench/loader/peers.py draws SPDL's crops as torchvision's RandomResizedCrop does: inside the image,
     area 8-100 %, aspect 3/4-4/3 (rounding aside), and the centre crop when no try fits."""
     import random
 
-    peers = load("peers")
+    peers = load("loader.peers")
     rng = random.Random(3)
     for width, height in [(500, 375), (300, 500), (64, 64)]:
         for _ in range(500):
@@ -164,18 +162,15 @@ def test_spdls_crop_draw_is_random_resized_crops():
     assert peers.crop_params(1000, 10, random.Random(0)) == (493, 0, 13, 10)  # no try fits: the centre, at 4/3
 
 
-# ---------------------------------------------------------------- two commits side by side (bench/against.py)
+# ---------------------------------------------------------------- two commits side by side (bench/loader/against.py)
 
 
 def bench_module():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))  # bench.py imports its neighbours by name
-    return load("bench"), load("against")
+    return load("loader.bench"), load("loader.against")
 
 
 def test_against_names_a_commit_that_does_not_exist_in_one_line():
-    proc = run_script("bench/bench.py", "--against", "no-such-rev-000")
+    proc = run_script("bench/loader/bench.py", "--against", "no-such-rev-000")
     assert proc.returncode != 0
     assert "no-such-rev-000" in one_error_line(proc) and "no such commit" in one_error_line(proc)
 
@@ -220,7 +215,7 @@ def test_against_removes_its_worktree_however_the_run_ends():
 
 
 def test_the_library_pages_of_a_contenders_venv_are_dropped_from_the_cache(tmp_path):
-    memory = load("memory")
+    memory = load("loader.memory")
     (tmp_path / "bin").mkdir()
     (tmp_path / "lib" / "site-packages" / "torch" / "lib").mkdir(parents=True)
     for name in ("libtorch.so", "libz.so.1", "mod.cpython-311.so"):
@@ -232,7 +227,7 @@ def test_the_library_pages_of_a_contenders_venv_are_dropped_from_the_cache(tmp_p
 def test_the_pss_account_names_this_process_first_and_sums_to_its_pss():
     import os
 
-    memory = load("memory").TreeMemory()
+    memory = load("loader.memory").TreeMemory()
     rows = memory.account()
     assert rows[0]["pid"] == os.getpid()
     assert rows[0]["pss"] > 0 and rows[0]["file"] > 0
@@ -280,7 +275,7 @@ def test_a_contender_runs_the_loader_of_the_tree_it_is_given(tmp_path):
         for built in (ROOT / ".build").glob("jpegcrop-*.so"):
             shutil.copy2(built, tree / ".build")
         proc = run_script(
-            "bench/bench.py", "--run", "ours-work", "--set", "noise", "--images", "16", "--limit-seconds", "0.1",
+            "bench/loader/bench.py", "--run", "ours-work", "--set", "noise", "--images", "16", "--limit-seconds", "0.1",
             "--workers", "1", "--data", str(tmp_path / "data"), "--tree", str(tree),
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -293,8 +288,7 @@ def test_the_bench_with_a_policy_runs_who_applies_it_and_names_who_cannot(monkey
     as left out, and timm's loader runs for randaugment alone."""
     import argparse
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    bench = load("bench")
+    bench = load("loader.bench")
 
     def plan(**given):
         args = argparse.Namespace(**({"only": None, "peers": True} | given))

@@ -152,10 +152,10 @@ def test_every_picture_a_page_shows_exists_and_each_chart_names_its_report():
     for chart in charts:
         source = Image.open(chart).text.get("Source")
         assert source == chart.with_suffix(".md").name, f"{chart.name} names {source!r}, not its report"
-    # every report of a kind bench/charts.py draws has its chart: adding one means drawing it
+    # every report of a kind bench/common/charts.py draws has its chart: adding one means drawing it
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("charts", ROOT / "bench" / "charts.py")
+    spec = importlib.util.spec_from_file_location("charts", ROOT / "bench" / "common" / "charts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     reports = [r for r in sorted((ROOT / "bench" / "results").glob("*.md")) if module.charted(r)]

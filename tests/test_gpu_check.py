@@ -19,15 +19,12 @@ from tests.conftest import ROOT
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """A bench module by its path under bench/ (``gpucheck.train``): bench/ is a package."""
+    return importlib.import_module(f"bench.{name}")
 
 
-gpukit, train_parts, report = load("gpukit"), load("gpucheck_train"), load("gpucheck_report")
-runs = load("gpucheck_runs")  # a run of train.py read from its log
+gpukit, train_parts, report = load("gpucheck.kit"), load("gpucheck.train"), load("gpucheck.report")
+runs = load("gpucheck.runs")  # a run of train.py read from its log
 
 
 # ---------------------------------------------------------------- the rehearsal
@@ -41,7 +38,7 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     scratch.mkdir()
     # A fresh process (run_script's are forked from one that read TMPDIR already).
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    cmd = [sys.executable, "bench/gpucheck.py", "--cpu", "--out", str(out), "--compile"]
+    cmd = [sys.executable, "bench/gpucheck/check.py", "--cpu", "--out", str(out), "--compile"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [md], [png], [js] = (sorted(out.glob(f"*-gpu-check.{ext}")) for ext in ("md", "png", "json"))
@@ -99,12 +96,12 @@ def wheel(folder: Path, name: str = "kitmod") -> Path:
 
 @pytest.fixture
 def node(tmp_path):
-    """A copy of ./run with a stand-in bench/gpucheck.py that reports what it was started with,
+    """A copy of ./run with a stand-in bench/gpucheck/check.py that reports what it was started with,
     and a python3 on PATH that imports torch (this environment's), as on a GPU node."""
     repo = tmp_path / "repo"
-    (repo / "bench").mkdir(parents=True)
+    (repo / "bench" / "gpucheck").mkdir(parents=True)
     shutil.copy2(ROOT / "run", repo / "run")
-    (repo / "bench" / "gpucheck.py").write_text(
+    (repo / "bench" / "gpucheck" / "check.py").write_text(
         "import json, os, sys\nimport kitmod\n"
         "keys = ('PYTHONPATH', 'WDSDIST_BUILD', 'LD_LIBRARY_PATH')\n"
         "print(json.dumps({'argv': sys.argv[1:], 'kitmod': kitmod.VALUE, 'prefix': sys.prefix,"
@@ -211,8 +208,7 @@ def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
 
 def test_the_probe_times_a_setting_and_two_decoders_at_once_with_the_cpu_they_took(monkeypatch):
     pytest.importorskip("nvidia.nvimgcodec")
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # it imports its neighbours by name
-    decoder = load("gpucheck_decoder")
+    decoder = load("gpucheck.decoder")
     monkeypatch.setattr(decoder, "TIMED", 12)
     # Without CUDA: nvImageCodec's CPU backend, the first setting and the decoders at once
     first, at_once, loaded = decoder.timing()
@@ -257,18 +253,18 @@ def test_a_failed_part_is_reported_with_its_error_and_the_others_stand():
 
 
 def test_a_rehearsals_report_goes_under_outputs_and_a_gpus_among_the_dated_reports(tmp_path):
-    check = load("gpucheck")
+    check = load("gpucheck.check")
     assert check.report_folder(check.parse_args(["--cpu"])) == ROOT / "outputs" / "gpu-check"
     assert check.report_folder(check.parse_args([])) == ROOT / "bench" / "results"
     assert check.report_folder(check.parse_args(["--cpu", "--out", str(tmp_path)])) == tmp_path
 
 
 def test_the_rows_asked_for_on_the_command_line_and_a_wrong_one_refused_at_once(capsys):
-    check = load("gpucheck")
+    check = load("gpucheck.check")
     args = ["--models", "resnet18", "--decoders", "nvimgcodec", "--gpu-workers", "2", "auto"]
     sizes = check.sized(check.parse_args([*args, "--decode-threads", "1", "2", "--decode-shares", "1", "0.75"]))
     assert (sizes.models, sizes.gpu_decoders, sizes.cpu_rows) == (("resnet18",), ("nvimgcodec",), False)
-    rows = load("gpucheck_loader").gpu_rows(sizes)
+    rows = load("gpucheck.loader").gpu_rows(sizes)
     assert len(rows) == 8 and rows[-1] == (
         "gpu/nvimgcodec (2 threads, 75% on the GPU)",
         "auto",
@@ -284,7 +280,7 @@ def test_the_rows_asked_for_on_the_command_line_and_a_wrong_one_refused_at_once(
 
 
 def test_part_d_times_a_row_until_its_rate_is_steady():
-    loader = load("gpucheck_loader")
+    loader = load("gpucheck.loader")
     now = [0.0]
 
     def batches(costs):
@@ -310,7 +306,7 @@ def test_part_d_times_a_row_until_its_rate_is_steady():
 
 
 def test_a_gpu_run_of_parts_that_decode_on_the_gpu_installs_the_probes_release_first():
-    check = load("gpucheck")
+    check = load("gpucheck.check")
     for argv, parts, timed in (
         (["--only", "c", "f"], {"data", "probe", "c", "f"}, False),  # the release, its settings untimed
         (["--only", "probe", "c"], {"data", "probe", "c"}, True),
@@ -324,8 +320,7 @@ def test_a_gpu_run_of_parts_that_decode_on_the_gpu_installs_the_probes_release_f
 
 
 def test_the_probe_names_the_fastest_setting_with_libjpegs_pixels_and_skips_rows_without_pixels(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    decoder = load("gpucheck_decoder")
+    decoder = load("gpucheck.decoder")
     said = {
         "timing": [{"setting": "hw", "ok": True, "wall_ms": 5.0, "p99_9": 0.0}],
         "timing-own-nvjpeg": [
@@ -355,7 +350,7 @@ def test_the_probe_names_the_fastest_setting_with_libjpegs_pixels_and_skips_rows
 
 
 def test_keep_brings_each_runs_output_and_log_beside_the_report(tmp_path):
-    check = load("gpucheck")
+    check = load("gpucheck.check")
     runs = tmp_path / "work" / "runs"
     (runs / "c-resnet18-cpu-auto").mkdir(parents=True)
     (runs / "c-resnet18-cpu-auto.out").write_text("out\n")
@@ -369,13 +364,12 @@ def test_keep_brings_each_runs_output_and_log_beside_the_report(tmp_path):
 
 def test_the_probe_decodes_regions_whole_images_and_progressive_jpegs_and_fails_regions_turned_off(monkeypatch):
     pytest.importorskip("nvidia.nvimgcodec")
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    decoder = load("gpucheck_decoder")
+    decoder = load("gpucheck.decoder")
     assert decoder.MODES == ("regions", "whole", "progressive")
     for mode, images in (("regions", 10), ("whole", 10), ("progressive", 8)):  # on the CPU: its CPU backend
         got = decoder.measure(mode, 8)
         assert got["ok"] and got["refused"] == 0 and got["images"] == images and got["p99_9"] <= 2, mode
-    jpeg = decoder.progressive(load("gpucheck_loader").photo_sample(0))
+    jpeg = decoder.progressive(load("gpucheck.loader").photo_sample(0))
     assert b"\xff\xc2" in jpeg and b"\xff\xc0" not in jpeg  # SOF2, no baseline frame
     from wdsdist.data.decode import codecs
 

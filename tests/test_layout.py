@@ -344,3 +344,18 @@ def test_the_node_cache_stays_split_by_concern() -> None:
     assert "on-disk protocol" in ast.get_docstring(ast.parse((sources / "cachefiles.py").read_text()))
     for name in ("cache.py", "cachecounts.py"):  # they point to it; they do not describe the format again
         assert ".part-" not in (sources / name).read_text().split('"""')[1], name
+
+
+def test_the_bench_is_in_folders_that_say_what_they_measure() -> None:
+    """bench/ holds folders by purpose, each opening with what it measures; no file's name is
+    another's with a suffix (gpucheck_train.py beside gpucheck.py): such a family is a folder."""
+    bench = ROOT / "bench"
+    assert sorted(p.name for p in bench.glob("*.py")) == ["__init__.py"]
+    folders = sorted(p for p in bench.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert len(folders) >= 5
+    for folder in folders:
+        opening = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert opening, f"{folder.relative_to(ROOT)}/__init__.py: say what the folder measures"
+        stems = [p.stem for p in folder.glob("*.py") if p.name != "__init__.py"]
+        family = sorted(s for s in stems for t in stems if s != t and s.startswith(t + "_"))
+        assert family == [], f"{folder.relative_to(ROOT)}: {family} are a folder in disguise"

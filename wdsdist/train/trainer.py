@@ -373,7 +373,7 @@ def stopped(run: Run, step: int) -> NoReturn:
 
 def decode_line(decoded: dict, host: dict) -> str:
     """loader.decode=gpu's last line: where rank 0's images were made, by which decoder, and the
-    host time per batch by phase (bench/gpucheck_train.py reads it)."""
+    host time per batch by phase (bench/gpucheck/train.py reads it)."""
     return (
         f"loader.decode=gpu on rank 0: {decoded['gpu']} images decoded on the GPU, {decoded['cpu']} on the "
         f"CPU (in the workers, PNG, CMYK, or refused by the GPU's decoder), {decoded['failed']} left out (no "

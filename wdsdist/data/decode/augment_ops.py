@@ -2,7 +2,7 @@
 where it costs least, with the pixels of torchvision's functional op on a PIL image: what
 torchvision's classification reference and timm apply the policies to.
 
-Per op (``HOW``; each op's cost three ways: bench/recipe.py --ops, the report of 2026-12-05):
+Per op (``HOW``; each op's cost three ways: bench/recipe/recipe.py --ops, the report of 2026-12-05):
 
 - ``ours``: small C loops beside jpegcrop's (jpegcrop.c's ``augment_*``) in Pillow's own
   arithmetic: the bilinear affine of shear, translate and rotate (PIL calls two functions per
