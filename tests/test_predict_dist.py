@@ -358,7 +358,7 @@ def test_the_progress_bar_on_rank_0_counts_every_ranks_images_from_the_store(mon
     import torch
 
     from wdsdist.cluster import distributed
-    from wdsdist.predict import job as predict_job
+    from wdsdist.predict.progress import Progress
 
     class Store:  # every rank's images so far, as the job's store counts them
         def add(self, key, n):
@@ -371,7 +371,7 @@ def test_the_progress_bar_on_rank_0_counts_every_ranks_images_from_the_store(mon
 
     monkeypatch.setattr(sys, "stderr", Terminal())
     monkeypatch.setattr(distributed, "watch_store", lambda timeout: Store())
-    with predict_job.Progress(distributed.Dist(0, 3, 0, torch.device("cpu")), total=59) as progress:
+    with Progress(distributed.Dist(0, 3, 0, torch.device("cpu")), total=59) as progress:
         progress.advance(5)  # rank 0's own: the store's count is the bar's, not this
     assert "42/59" in sys.stderr.getvalue().replace("\r", "\n").splitlines()[-1]
 

@@ -3,6 +3,8 @@
 Everything else gets rank and world from the ``Dist`` returned by ``init`` and calls the small
 collectives below, which also work (as no-ops) in a plain one-process run without torchrun.
 """
+# A long module on purpose: it is the one door to torch.distributed, so that no other module
+# calls it; split, the rule "one place" would become "one of several places".
 
 from __future__ import annotations
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,15 +30,10 @@ from wdsdist.model.classify import Penultimate, load_model, model_hash, top_k
 from wdsdist.predict import parts, reshard
 from wdsdist.predict.collect import Collector, Unit
 from wdsdist.predict.options import PredictOptions
+from wdsdist.predict.progress import Progress, done_key
 from wdsdist.predict.read import Batch, file_stream, file_units, image_files, kind_of, shard_stream, shard_units
 
 log = logging.getLogger(__name__)
-
-
-def done_key() -> str:
-    """The job's store key that counts its images: one per start under torchrun --max-restarts,
-    whose agent's store outlives the workers (a restarted job counts from 0)."""
-    return f"wdsdist/predict/images/{distributed.restart_count()}"
 
 
 @dataclass
@@ -276,49 +269,6 @@ def skipped_name(job: Job, unit: int, offset: int) -> str:
     if job.kind == "files":
         return job.sources[sum(u.count for u in job.units[:unit]) + offset]
     return f"{job.units[unit].source} sample {offset}"
-
-
-class Progress:
-    """One bar on rank 0 for the whole job: every rank's images, read from the job's store by a
-    thread, so it moves while rank 0 waits for the others."""
-
-    def __init__(self, dist: distributed.Dist, total: int):
-        self.bar, self.stop = None, threading.Event()
-        self.thread = None
-        if dist.is_main and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="image", file=sys.stderr, dynamic_ncols=True)
-            watcher = distributed.watch_store(5.0)
-            if watcher is not None:
-                self.thread = threading.Thread(target=self._watch, args=(watcher,), daemon=True)
-
-    def __enter__(self) -> Progress:
-        if self.thread is not None:
-            self.thread.start()
-        return self
-
-    def _watch(self, store: Any) -> None:
-        while True:
-            stopped = self.stop.wait(0.5)  # once more after the stop: the bar ends at the job's count
-            try:
-                self.bar.n = int(store.add(done_key(), 0))  # type: ignore[union-attr]
-                self.bar.refresh()  # type: ignore[union-attr]
-            except RuntimeError:
-                return
-            if stopped:
-                return
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None and self.thread is None:
-            self.bar.update(n)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-        if self.bar is not None:
-            self.bar.close()
 
 
 def finish(opts: PredictOptions, job: Job, cfg: LoaderConfig, stats: list[dict]) -> tuple[str, int]:

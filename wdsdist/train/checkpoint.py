@@ -5,6 +5,8 @@ and the resolved config. The learning rate is a function of the step (``trainer.
 is no scheduler state to save; checkpoints written before that still carry a "scheduler" entry,
 which loads and is ignored.
 """
+# A long module on purpose: writing a checkpoint and finding the one to resume from share the
+# run directory's rules (names, generations, what a torn file looks like); apart, they would drift.
 
 from __future__ import annotations
 
