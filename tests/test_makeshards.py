@@ -393,3 +393,20 @@ def test_a_brace_pattern_the_shell_expanded_gets_a_hint_to_quote_it(script):
     with pytest.raises(UserError) as err:  # not a shard: no hint
         module.parse_args([option, "d/a-000.tar", "--sizes", "8"])
     assert "brace" not in str(err.value)
+
+
+def test_the_options_are_typed_once_frozen_and_refuse_a_bad_value_in_one_line(tmp_path):
+    import dataclasses
+
+    from wdsdist.tools.makeshards import parse
+
+    options = parse(["--source", str(tmp_path), "--shards", str(tmp_path / "out"), "--resize", "64"])
+    assert (options.source, options.resize, options.maxcount, options.maxsize) == (str(tmp_path), 64, 1000, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.maxcount = 5  # type: ignore[misc]
+    with pytest.raises(UserError) as err:
+        dataclasses.replace(options, maxsize=1 << 20)
+    assert str(err.value).startswith("--maxsize with --resize/--quality: ") and "\n" not in str(err.value)
+    with pytest.raises(UserError) as err:
+        dataclasses.replace(options, shards="pipe:cat > x")
+    assert str(err.value).startswith("--shards pipe:cat > x: shards are written to a local folder only")

@@ -204,3 +204,22 @@ def test_real_mode_bad_sample_is_one_line(tmp_path):
     # before it runs the iterator's shutdown, the workers never hear they should stop: a later test's
     # collection waited 10 s for each (bench/results/2026-11-29-suite-time.md). Freed here, they stop.
     traceback.clear_frames(err.value.__context__.__traceback__)
+
+
+def test_the_options_are_typed_once_frozen_and_refuse_a_bad_value_in_one_line() -> None:
+    import dataclasses
+
+    options = simdist.parse(["--plan", "--size", "4", "--mix", "a:100", "b:50"])
+    assert (options.size, options.plan, len(options.mix)) == (4, True, 2)
+    assert isinstance(options.mix, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.size = 5  # type: ignore[misc]
+    one = simdist.parse(["--plan"])
+    for change, message in (
+        ({"plot": "ranks.jpg"}, "--plot ranks.jpg: give a .png file name"),
+        ({"size": 0}, "--size must be >= 1, got 0"),
+        ({"cache_size": 10}, "--cache-size needs --shard-bytes (the bytes each shard costs to fetch)"),
+    ):
+        with pytest.raises(UserError) as err:
+            dataclasses.replace(one, **change)
+        assert str(err.value) == message

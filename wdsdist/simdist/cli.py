@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import logging
 import sys
+from dataclasses import dataclass
 
 from wdsdist import simdist
 from wdsdist.data.options import parse_bytes, parse_nbatches
@@ -44,7 +45,7 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # The argument groups are --help's sections, in the order they are added here; each group is
     # declared by one function (no function over 60 lines), so a group's options stay together.
     p = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,136 +139,189 @@ def _store_resize_show_options(p: argparse.ArgumentParser) -> None:
     show.add_argument("--verbose", action="store_true", help="every rank, however many")
 
 
-def access(args: argparse.Namespace) -> simdist.Access:
-    return simdist.Access(allow_pipe=args.allow_pipe, trust_index=args.trust_index)
+# The options that are Settings' fields of the same name: every job's, and one data set's only.
+_JOB = ("size", "nworkers", "batch_size", "nepochs", "cross_shuffle", "seed", "remainder")
+_ONE_DATA_SET = ("partial", "nbatches", "dsrepeat", "repeat", "shard_order", "node_ranks")
 
 
-def layout(args: argparse.Namespace) -> simdist.Layout:
-    if args.shards:
-        if args.nshards or args.samples_per_shard:
+@dataclass(frozen=True, kw_only=True)
+class SimdistOptions:
+    """simdist's command line, typed and checked once (``parse``): what main and everything
+    below it read. A combination that cannot run is refused here in one line naming its option,
+    in the order simdist has always checked them (the settings' own checks among them)."""
+
+    shards: str | None
+    nshards: int | None
+    samples_per_shard: str | None
+    mix: tuple[simdist.MixArg, ...]  # empty: one data set
+    epoch_samples: int | None
+    mix_batches: str
+    seed: int
+    cache: str
+    allow_pipe: bool
+    trust_index: bool
+    size: int
+    nworkers: int
+    batch_size: int
+    nbatches: int | str | None
+    dsrepeat: int
+    repeat: int
+    partial: bool
+    nepochs: int
+    cross_shuffle: int
+    split: str | None  # None: shards, or samples with --mix
+    remainder: str
+    shard_order: str
+    node_ranks: int
+    shard_bytes: int | None
+    cache_size: int | None
+    resize_at: int | None
+    to_size: int | None
+    to_nworkers: int | None
+    plan: bool
+    showsplits: bool
+    showopen: bool
+    plot: str | None
+    verbose: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mix", tuple(self.mix or ()))  # frozen: argparse's list (or None), fixed once
+        if self.mix:
+            self._check_mix()
+            return
+        if self.epoch_samples is not None or self.mix_batches != "sample":
+            raise UserError("--epoch-samples and --mix-batches describe several data sets: give --mix too")
+        self.settings()  # its own checks, refused before the others as they always were
+        if self.cache_size is not None and self.shard_bytes is None:
+            raise UserError("--cache-size needs --shard-bytes (the bytes each shard costs to fetch)")
+        if self.plot and not self.plot.lower().endswith(".png"):
+            raise UserError(f"--plot {self.plot}: give a .png file name")
+        if self.plot and importlib.util.find_spec("matplotlib") is None:
+            raise UserError(f"--plot {self.plot} needs matplotlib: pip install 'wds-distributed[plot]'")
+        # Two more stay in main and layout, after main's note on --showopen with --plan, so a refused
+        # command says what it always said: --to-size without --resize-at, --shards with --nshards.
+
+    def _check_mix(self) -> None:
+        given = {
+            "--shards": self.shards,
+            "--nshards": self.nshards,
+            "--samples-per-shard": self.samples_per_shard,
+            "--nbatches": self.nbatches,
+            "--dsrepeat": self.dsrepeat != 1,
+            "--repeat": self.repeat != 1,
+            "--partial": self.partial,
+            "--resize-at": self.resize_at is not None,
+            "--shard-bytes": self.shard_bytes is not None,
+            "--showsplits": self.showsplits,
+            "--plot": self.plot,
+        }
+        other = [name for name, value in given.items() if value]
+        if other:
+            raise UserError(f"--mix takes its data and epochs from its sources; it does not combine with {other[0]}")
+
+    def settings(self) -> simdist.Settings:
+        """The simulated job: the options of Settings' names (--mix: the sources' windows make the
+        epoch, in equal spans of samples)."""
+        job = {name: getattr(self, name) for name in _JOB}
+        if self.mix:
+            return simdist.Settings(**job, split="samples")
+        cut = {name: getattr(self, name) for name in _ONE_DATA_SET}
+        return simdist.Settings(**job, **cut, split=self.split or "shards")
+
+    def access(self) -> simdist.Access:
+        return simdist.Access(allow_pipe=self.allow_pipe, trust_index=self.trust_index)
+
+
+def parse(argv: list[str] | None = None) -> SimdistOptions:
+    """The command line as the typed, checked options: the one place its Namespace is read."""
+    return SimdistOptions(**vars(parse_args(argv)))
+
+
+def layout(options: SimdistOptions) -> simdist.Layout:
+    if options.shards:
+        if options.nshards or options.samples_per_shard:
             raise UserError("--shards and --nshards/--samples-per-shard describe the data twice: give one")
         return simdist.spec_layout(
-            args.shards, count_local=True, count_remote=not args.plan, need_files=not args.plan, access=access(args)
+            options.shards,
+            count_local=True,
+            count_remote=not options.plan,
+            need_files=not options.plan,
+            access=options.access(),
         )
-    nshards = args.nshards or simdist.DEFAULT_NSHARDS
-    samples = args.samples_per_shard or simdist.DEFAULT_SAMPLES
-    described = simdist.described_layout(nshards, samples, args.seed)
-    if args.plan:
+    nshards = options.nshards or simdist.DEFAULT_NSHARDS
+    samples = options.samples_per_shard or simdist.DEFAULT_SAMPLES
+    described = simdist.described_layout(nshards, samples, options.seed)
+    if options.plan:
         return described
     base, spread = simdist.parse_spread(samples)
-    name = f"n{nshards}-s{base}" + (f"pm{spread}-seed{args.seed}" if spread else "")
-    return simdist.synthetic_layout(described, args.cache, name)
+    name = f"n{nshards}-s{base}" + (f"pm{spread}-seed{options.seed}" if spread else "")
+    return simdist.synthetic_layout(described, options.cache, name)
 
 
-def settings_of(args: argparse.Namespace, **more: object) -> simdist.Settings:
-    """The settings every simulation takes from the command line, and ``more``."""
-    return simdist.Settings(
-        size=args.size,
-        nworkers=args.nworkers,
-        batch_size=args.batch_size,
-        nepochs=args.nepochs,
-        cross_shuffle=args.cross_shuffle,
-        seed=args.seed,
-        remainder=args.remainder,
-        **more,
-    )
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.mix:
-        return mix_main(args)
-    if args.epoch_samples is not None or args.mix_batches != "sample":
-        raise UserError("--epoch-samples and --mix-batches describe several data sets: give --mix too")
-    settings = settings_of(
-        args,
-        partial=args.partial,
-        nbatches=args.nbatches,
-        dsrepeat=args.dsrepeat,
-        repeat=args.repeat,
-        split=args.split or "shards",
-        shard_order=args.shard_order,
-        node_ranks=args.node_ranks,
-    )
-    if args.cache_size is not None and args.shard_bytes is None:
-        raise UserError("--cache-size needs --shard-bytes (the bytes each shard costs to fetch)")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise UserError(f"--plot {args.plot}: give a .png file name")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UserError(f"--plot {args.plot} needs matplotlib: pip install 'wds-distributed[plot]'")
-    if args.plan and args.showopen:
+def main(argv: list[str] | None = None) -> int:
+    options = parse(argv)
+    if options.mix:
+        return mix_main(options)
+    settings = options.settings()
+    if options.plan and options.showopen:
         print("note: --showopen shows shard opens in real mode only; --plan opens nothing", file=sys.stderr)
-    if args.showopen:
+    if options.showopen:
         logging.getLogger("wdsdist").setLevel(logging.DEBUG)  # the loader's shard traces
-    if args.resize_at is None and (args.to_size is not None or args.to_nworkers is not None):
+    if options.resize_at is None and (options.to_size is not None or options.to_nworkers is not None):
         raise UserError("--to-size/--to-nworkers describe the layout after --resize-at K: give --resize-at too")
-    sim = simdist.simulate_plan(layout(args), settings)
+    sim = simdist.simulate_plan(layout(options), settings)
     resize = None
-    if args.resize_at is not None:
-        to_size = args.size if args.to_size is None else args.to_size
-        to_nworkers = args.nworkers if args.to_nworkers is None else args.to_nworkers
-        if args.plan:
-            resize = simdist.simulate_resize(sim, args.resize_at, to_size, to_nworkers)
+    if options.resize_at is not None:
+        to_size = options.size if options.to_size is None else options.to_size
+        to_nworkers = options.nworkers if options.to_nworkers is None else options.to_nworkers
+        if options.plan:
+            resize = simdist.simulate_resize(sim, options.resize_at, to_size, to_nworkers)
         else:  # the training loader itself, resumed as the trainer resumes it
-            resize = simdist.simulate_resize_real(sim, args.resize_at, to_size, to_nworkers, access=access(args))
-    real = None if args.plan else simdist.simulate_real(sim, showopen=args.showopen, access=access(args))
+            resize = simdist.simulate_resize_real(sim, options.resize_at, to_size, to_nworkers, access=options.access())
+    real = None if options.plan else simdist.simulate_real(sim, showopen=options.showopen, access=options.access())
     egress = None
-    if args.shard_bytes is not None:
-        egress = simdist.simulate_egress(sim, args.shard_bytes, args.cache_size)
+    if options.shard_bytes is not None:
+        egress = simdist.simulate_egress(sim, options.shard_bytes, options.cache_size)
     return simdist.report(
         sim,
         real=real,
-        showsplits=args.showsplits,
-        verbose=args.verbose,
-        plot_to=args.plot,
+        showsplits=options.showsplits,
+        verbose=options.verbose,
+        plot_to=options.plot,
         resize=resize,
         egress=egress,
     )
 
 
-def mix_main(args: argparse.Namespace) -> int:
+def mix_main(options: SimdistOptions) -> int:
     """--mix: per epoch, source and rank, what the sources' windows give (simdist/mix.py)."""
-    given = {
-        "--shards": args.shards,
-        "--nshards": args.nshards,
-        "--samples-per-shard": args.samples_per_shard,
-        "--nbatches": args.nbatches,
-        "--dsrepeat": args.dsrepeat != 1,
-        "--repeat": args.repeat != 1,
-        "--partial": args.partial,
-        "--resize-at": args.resize_at is not None,
-        "--shard-bytes": args.shard_bytes is not None,
-        "--showsplits": args.showsplits,
-        "--plot": args.plot,
-    }
-    other = [name for name, value in given.items() if value]
-    if other:
-        raise UserError(f"--mix takes its data and epochs from its sources; it does not combine with {other[0]}")
-    if args.split == "shards" or args.shard_order != "global":
+    if options.split == "shards" or options.shard_order != "global":
         # The loader's own refusal, in its words (it imports torch: only when there is one to make).
         from wdsdist.data.delivery.mixing import mix_config
         from wdsdist.data.options import LoaderConfig
 
         mix_config(
-            LoaderConfig(batch_size=args.batch_size, split=args.split or "samples", shard_order=args.shard_order)
+            LoaderConfig(
+                batch_size=options.batch_size, split=options.split or "samples", shard_order=options.shard_order
+            )
         )
-    settings = settings_of(args, split="samples")
-    layouts = simdist.mix_layouts(args.mix, plan=args.plan, cache=args.cache, access=access(args))
-    mix = simdist.mix_of(args.mix, layouts, args.epoch_samples)
+    settings = options.settings()
+    layouts = simdist.mix_layouts(options.mix, plan=options.plan, cache=options.cache, access=options.access())
+    mix = simdist.mix_of(options.mix, layouts, options.epoch_samples)
     epochs = [simdist.plan_mix_epoch(mix, settings, epoch) for epoch in range(settings.nepochs)]
     run = None
-    if not args.plan:
+    if not options.plan:
         run = simdist.run_mix(
-            args.mix,
+            options.mix,
             layouts,
             settings,
-            epoch_samples=args.epoch_samples,
-            mix_batches=args.mix_batches,
+            epoch_samples=options.epoch_samples,
+            mix_batches=options.mix_batches,
             image_size=simdist.IMAGE_SIZE,
-            access=access(args),
+            access=options.access(),
         )
     code, lines = simdist.mix_report(
-        mix, layouts, settings, epochs, mix_batches=args.mix_batches, run=run, verbose=args.verbose
+        mix, layouts, settings, epochs, mix_batches=options.mix_batches, run=run, verbose=options.verbose
     )
     print("\n".join(lines))
     return code

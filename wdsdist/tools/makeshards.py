@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -135,6 +136,56 @@ def _source_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-column", default="label", help="Parquet: the label column (default: %(default)s)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MakeshardsOptions:
+    """makeshards' command line, typed and checked once (``parse``): what main and everything below
+    it read. A combination that cannot run is refused here in one line naming its option; the
+    values alone argparse checks as it reads them."""
+
+    source: str | None  # exactly one of source, synthetic and index (argparse's group)
+    synthetic: int | None
+    index: str | None
+    shards: str
+    prefix: str | None
+    maxcount: int
+    maxsize: int | None  # None: 1GiB, or none with --resize/--quality
+    seed: int
+    split: str
+    size: int
+    quality: int | None
+    workers: int | None  # None: the cores this process may use
+    labels: str | None
+    devkit_classes: str | None
+    classes_from: str | None
+    verify: str
+    strict: bool
+    resize: int | None
+    max_member: int
+    image_column: str
+    label_column: str
+    offset_every: int
+    output: str | None
+    allow_pipe: bool
+
+    def __post_init__(self) -> None:
+        # Before anything is read or opened: outputs are local files (or, for --source, a bucket),
+        # never pipe: commands or URLs.
+        if self.index is None and not (self.source and s3open.is_object_url(self.shards)):
+            check_local_output(self.shards, f"--shards {self.shards}")
+        elif self.output is not None and not s3open.is_object_url(self.output):
+            check_local_output(self.output, f"--output {self.output}")
+        if self.source and (self.resize or self.quality) and self.maxsize is not None:
+            raise UserError(
+                "--maxsize with --resize/--quality: a re-encoded image's size is not known before it is encoded, "
+                "so those shards are cut by --maxcount alone"
+            )
+
+
+def parse(argv: list[str] | None = None) -> MakeshardsOptions:
+    """The command line as the typed, checked options: the one place its Namespace is read."""
+    return MakeshardsOptions(**vars(parse_args(argv)))
+
+
 def index_only(spec: str, output: str | None, allow_pipe: bool = False, offset_every: int = OFFSET_EVERY) -> dict:
     from wdsdist.data.sources import shardspec
 
@@ -242,63 +293,55 @@ def _offsets(path: str, nsamples: int) -> list[int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # Before anything is read or opened: outputs are local files (or, for --source, a bucket),
-    # never pipe: commands or URLs.
-    if args.index is None and not (args.source and s3open.is_object_url(args.shards)):
-        check_local_output(args.shards, f"--shards {args.shards}")
-    elif args.output is not None and not s3open.is_object_url(args.output):
-        check_local_output(args.output, f"--output {args.output}")
-    if args.index:
-        desc = index_only(args.index, args.output, args.allow_pipe, args.offset_every)
+    options = parse(argv)
+    if options.index:
+        desc = index_only(options.index, options.output, options.allow_pipe, options.offset_every)
         print(f"indexed {desc['nshards']} shards, {desc['nsamples']} samples -> {desc['path']}")
         return 0
-    if args.source:
-        return from_source(args)
+    if options.source:
+        return from_source(options)
     from wdsdist.tools.shards import from_synthetic
 
-    prefix = args.prefix or f"synthetic-{args.split}"
-    common = dict(
-        maxcount=args.maxcount, maxsize=args.maxsize or 1 << 30, seed=args.seed, offset_every=args.offset_every
-    )
+    prefix = options.prefix or f"synthetic-{options.split}"
+    common = dict(maxcount=options.maxcount, maxsize=options.maxsize or 1 << 30, seed=options.seed)
     desc = from_synthetic(
-        args.synthetic, args.shards, prefix, split=args.split, size=args.size, quality=args.quality or 90, **common
+        options.synthetic,
+        options.shards,
+        prefix,
+        split=options.split,
+        size=options.size,
+        quality=options.quality or 90,
+        offset_every=options.offset_every,
+        **common,
     )
-    where = os.path.join(args.shards, f"{prefix}.index.json")
+    where = os.path.join(options.shards, f"{prefix}.index.json")
     print(f"wrote {desc['nshards']} shards, {desc['nsamples']} samples, {len(desc['classes'])} classes -> {where}")
     return 0
 
 
-def from_source(args: argparse.Namespace) -> int:
+def from_source(options: MakeshardsOptions) -> int:
     """--source: the planned, parallel, resumable conversion (tools/convert.py)."""
-    if (args.resize or args.quality) and args.maxsize is not None:
-        raise UserError(
-            "--maxsize with --resize/--quality: a re-encoded image's size is not known before it is encoded, "
-            "so those shards are cut by --maxcount alone"
-        )
-    name = os.path.basename(os.path.normpath(args.source))
-    prefix = args.prefix or re.sub(r"\.(tar|parquet)$", "", name, flags=re.IGNORECASE)
+    name = os.path.basename(os.path.normpath(options.source))
+    prefix = options.prefix or re.sub(r"\.(tar|parquet)$", "", name, flags=re.IGNORECASE)
     inputs = Inputs(
-        args.source,
-        args.seed,
-        args.labels,
-        args.devkit_classes,
-        args.classes_from,
-        args.image_column,
-        args.label_column,
+        options.source,
+        options.seed,
+        options.labels,
+        options.devkit_classes,
+        options.classes_from,
+        options.image_column,
+        options.label_column,
     )
-    options = Options(
-        prefix, args.maxcount, args.maxsize or 1 << 30, args.verify, args.resize, args.quality, args.max_member
-    )
+    o = options
+    plan = Options(prefix, o.maxcount, o.maxsize or 1 << 30, o.verify, o.resize, o.quality, o.max_member)
     rank, world = _torchrun_rank()
-    workers = args.workers or max(1, cores() // ranks_on_node(1))
-    how = "" if args.workers else " (the cores this process may use)"
+    workers = options.workers or max(1, cores() // ranks_on_node(1))
+    how = "" if options.workers else " (the cores this process may use)"
     ranks = f", rank {rank} of {world}" if world > 1 else ""
     print(f"makeshards: {workers} worker{'s' if workers > 1 else ''}{how}{ranks}", file=sys.stderr)
-    desc = convert(
-        inputs, options, Run(args.shards, workers, rank, world, args.strict, args.offset_every), _Bar(prefix)
-    )
-    print(_summary(desc, args.shards, prefix))
+    job = Run(options.shards, workers, rank, world, options.strict, options.offset_every)
+    desc = convert(inputs, plan, job, _Bar(prefix))
+    print(_summary(desc, options.shards, prefix))
     return 0
 
 
