@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT
 
 # The packages held to it; the names of the functions that parse a command line.
-PACKAGES = ("wdsdist/tools", "wdsdist/simdist")
+PACKAGES = ("wdsdist/tools", "wdsdist/simdist", "wdsdist/predict")
 PARSERS = frozenset({"parse_args", "parse"})
 
 

@@ -16,6 +16,8 @@ then written by --workers processes; the same command after a stop keeps the fin
 --index reads each shard once, with progress; into a local --output, the counts so far are kept in
 OUTPUT.partial, so the same command run again after a stop goes on where it stopped.
 """
+# A long module on purpose: the parser, the typed options and each mode's entry stay together,
+# since every check names a flag the parser defines; the work itself is in convert.py and shards.py.
 
 from __future__ import annotations
 
