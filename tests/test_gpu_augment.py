@@ -15,7 +15,8 @@ import webdataset as wds
 from tests.helpers.augment import POLICIES, crop, magnitudes
 from tests.helpers.gpu_augment import op_differences, recorded_draws, stats
 from tests.helpers.jpegs import encode
-from wdsdist.data import Loader, LoaderConfig
+from tests.helpers.loading import taken
+from wdsdist.data import LoaderConfig
 from wdsdist.data.decode import gpu, gpu_augment
 from wdsdist.data.decode.augment import Drawn, SampleAugment
 from wdsdist.data.decode.gpu_augment import TOLERANCE, BatchAugment
@@ -50,16 +51,7 @@ def batches(index: str, decode: str, n: int, state: dict | None = None) -> tuple
         batch_size=8, workers=2, image_size=40, mode="repeat", size_schedule=SCHEDULE, decode=decode,
         augment="trivialaugment", random_erase=0.5, mean=MEAN, with_keys=True, gpu_decode_threads=1,
     )  # fmt: skip
-    loader = Loader(index, cfg, rank=0, world=1)
-    if state is not None:
-        loader.load_state_dict(state)
-    torch.manual_seed(0)  # the workers' seeds come from it
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if len(out) == n:
-            break
-    return out, loader.state_dict()
+    return taken(index, cfg, n, state)
 
 
 def assert_within(diffs: dict[str, torch.Tensor]) -> None:

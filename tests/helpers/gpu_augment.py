@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from wdsdist.data.decode.gpu_augment import BatchAugment
+from wdsdist.data.decode.gpu_augment import TOLERANCE, BatchAugment
 
 
 @contextmanager
@@ -31,8 +31,9 @@ def recorded_draws() -> Iterator[list[list]]:
 
 
 def op_differences(cpu: list[dict], gpu: list[dict], draws: list[list]) -> dict[str, torch.Tensor]:
-    """Each op's absolute pixel differences (the op each row drew first; ``Erase``: the erased
-    boxes' pixels, which are left out of their row's op), flattened."""
+    """Each op's absolute pixel differences, flattened: a row's go to its op, or for a chain of
+    ops (RandAugment's, AutoAugment's) to the one with the loosest tolerance; ``Erase``: the
+    erased boxes' pixels, which are left out of their row's op."""
     parts: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
     assert len(draws) >= len(gpu)
     for a, b, drawn in zip(cpu, gpu, draws, strict=False):
@@ -43,7 +44,8 @@ def op_differences(cpu: list[dict], gpu: list[dict], draws: list[list]) -> dict[
                 top, left, h, w = d.erase
                 parts["Erase"].append(diff[:, top : top + h, left : left + w].flatten())
                 diff[:, top : top + h, left : left + w] = -1
-            parts[d.ops[0][0] if d.ops else "Identity"].append(diff[diff >= 0].flatten())
+            op = max((op for op, _ in d.ops), key=TOLERANCE.__getitem__, default="Identity")
+            parts[op].append(diff[diff >= 0].flatten())
     return {op: torch.cat(p) for op, p in parts.items()}
 
 
