@@ -26,7 +26,6 @@ equalize's steps lands on either side), so theirs are looser.
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -34,9 +33,7 @@ from torchvision.transforms import v2
 
 from wdsdist.data.decode import augment_ops
 from wdsdist.data.decode.augment import INTERPOLATION, Drawn
-from wdsdist.data.decode.gpu_augment_ops import COLOUR, affine
-
-log = logging.getLogger(__name__)
+from wdsdist.data.decode.gpu_augment_ops import COLOUR, affine, on_device
 
 # Per op: (the largest abs difference from the CPU path in 99% of the pixels, the mean abs
 # difference), uint8 steps, over the rows that drew it, through the loader on the same draws.
@@ -83,7 +80,7 @@ class BatchAugment:
         self.counts[op] += len(rows)
         if op == "Identity":
             return
-        index = torch.tensor(rows, dtype=torch.int64).to(images.device, non_blocking=True)
+        index = on_device(rows, torch.int64, images.device)
         x = images.index_select(0, index)
         out = COLOUR[op](x, mags) if op in COLOUR else self._geometric(x, op, mags)
         images.index_copy_(0, index, out)
@@ -103,9 +100,9 @@ class BatchAugment:
                 others.append((i, magnitude))
         out = x.clone()
         if matrices:
-            index = torch.tensor([i for i, _, _ in matrices], device=x.device)
-            a = torch.tensor([m for _, m, _ in matrices], dtype=torch.float64).to(x.device)
-            fills = torch.tensor([f for _, _, f in matrices], dtype=torch.int32).to(x.device)
+            index = on_device([i for i, _, _ in matrices], torch.int64, x.device)
+            a = on_device([m for _, m, _ in matrices], torch.float64, x.device)
+            fills = on_device([f for _, _, f in matrices], torch.int32, x.device)
             out.index_copy_(0, index, affine(x.index_select(0, index), a, fills))
         for i, k in turns:
             out[i] = torch.rot90(x[i], k, dims=(-2, -1))
@@ -119,12 +116,12 @@ class BatchAugment:
         """F.erase of each row's box (top, left, height, width) with the data's mean colour."""
         self.counts["Erase"] += len(rows)
         device = images.device
-        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        top, left, h, w = torch.tensor(boxes, dtype=torch.int64).to(device).T.reshape(4, -1, 1, 1)
+        index = on_device(rows, torch.int64, device)
+        top, left, h, w = on_device(boxes, torch.int64, device).T.reshape(4, -1, 1, 1)
         ys = torch.arange(images.shape[-2], device=device).view(1, -1, 1)
         xs = torch.arange(images.shape[-1], device=device).view(1, 1, -1)
         inside = (ys >= top) & (ys < top + h) & (xs >= left) & (xs < left + w)
-        fill = torch.tensor(self.fill, dtype=torch.uint8).to(device).view(1, 3, 1, 1)
+        fill = on_device(self.fill, torch.uint8, device).view(1, 3, 1, 1)
         x = images.index_select(0, index)
         images.index_copy_(0, index, torch.where(inside.unsqueeze(1), fill, x))
 

@@ -25,8 +25,17 @@ def _blend(base: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor) -> torch.Te
     return t.trunc_().clamp_(0, 255).to(torch.uint8)
 
 
+def on_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few per-row values on ``device``: through pinned memory to a GPU, so the copy is queued
+    on the stream rather than waiting for it (a copy from pageable memory does)."""
+    values = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
+
+
 def _per_row(values: Sequence[float], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True).view(-1, 1, 1, 1)
+    return on_device(values, dtype, like.device).view(-1, 1, 1, 1)
 
 
 def brightness(x: torch.Tensor, mags: Sequence[float]) -> torch.Tensor:
