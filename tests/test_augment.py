@@ -258,18 +258,15 @@ def test_bad_recipe_options_are_refused_in_one_line_naming_them(given, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_augmentations_keep_decoding_on_the_cpu(monkeypatch):
-    """decode=gpu's workers hand on bytes: the augmentations have no crop to work on there, so
-    gpu is refused beside them and auto picks cpu (on a GPU node with the [gpu] extra as well)."""
+def test_augmentations_and_a_size_schedule_go_with_decode_gpu(monkeypatch):
+    """decode=gpu makes the drawn augmentations and the scheduled size on the device
+    (decode/gpu_augment.py), so gpu is taken beside them, and auto picks it on a GPU node with
+    the [gpu] extra as it would without them."""
     from wdsdist.data import autos
 
-    with pytest.raises(UserError, match="augment=trivialaugment: runs on the workers' decoded crops"):
-        config(decode="gpu")
+    assert config(decode="gpu", random_erase=0.25, size_schedule=((0, 16), (2, 24)), image_size=24).decode == "gpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     node = dict(pin_memory=True, cross_shuffle=0, decode_downscale=False, augment="none", random_erase=0.0)
-    assert autos.auto_decode(types.SimpleNamespace(**node, size_schedule=()))[0] == "gpu"
-    for change in (dict(augment="randaugment"), dict(random_erase=0.1)):
-        chosen = autos.auto_decode(types.SimpleNamespace(**(node | change), size_schedule=()))
-        assert chosen == ("cpu", "auto: the augmentations (data.augment, data.random_erase) need the CPU path")
-    chosen = autos.auto_decode(types.SimpleNamespace(**node, size_schedule=((0, 16), (2, 24))))
-    assert chosen == ("cpu", "auto: progressive resizing (a size schedule) needs the CPU path")
+    for change in (dict(), dict(augment="randaugment"), dict(random_erase=0.1)):
+        assert autos.auto_decode(types.SimpleNamespace(**(node | change), size_schedule=()))[0] == "gpu"
+    assert autos.auto_decode(types.SimpleNamespace(**node, size_schedule=((0, 16), (2, 24))))[0] == "gpu"

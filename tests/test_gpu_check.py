@@ -54,7 +54,9 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
     c = {(r["model"], r["decode"], r["workers"]): r for r in parts["c"]["rows"]}
     labels = [f"gpu/{d}{s}" for s in ("", " (50% on the GPU)") for d in ("torchvision", "nvimgcodec")]
     gpus = [(label, "2") for label in labels]
-    assert sorted(c) == sorted(("resnet18", d, w) for d, w in [("cpu", "1"), ("cpu (compiled)", "1"), *gpus])
+    rows = [("resnet18", d, w) for d, w in [("cpu", "1"), ("cpu (compiled)", "1"), *gpus]]
+    rows += [("resnet18", f"{d} + trivialaugment", w) for d, w in [("cpu", "1"), *gpus]]  # the recipe's rows
+    assert sorted(c) == sorted(rows)
     assert c["resnet18", "cpu (compiled)", "1"]["first_step_s"] > 0  # --compile: the compile time beside the rate
     for (_, decode, _), row in c.items():
         if decode.startswith("cpu"):
@@ -63,7 +65,13 @@ def test_the_rehearsal_reports_every_part_in_markdown_json_and_a_chart(tmp_path)
             assert row["status"] == "skipped" and "CUDA" in row["error"]
     # (d) runs decode=gpu's rows on CPU tensors: each row's options reach the loader
     d = [(r["decode"], r["workers"], r["status"], r["batches"] > 0) for r in parts["d"]["rows"]]
-    assert d == [("cpu", 1, "ok", True), ("cpu", 2, "ok", True), *((label, 2, "ok", True) for label in labels)]
+    augmented = [("cpu + trivialaugment", 2, "ok", True), ("gpu/torchvision + trivialaugment", 2, "ok", True)]
+    assert d == [
+        ("cpu", 1, "ok", True),
+        ("cpu", 2, "ok", True),
+        *((label, 2, "ok", True) for label in labels),
+        *augmented,
+    ]
     # The rehearsal runs decode=gpu's functions on CPU tensors: the same samples, the pixels
     # within the check's bound (the float resize against the CPU path's integer weights).
     e = {(r["set"], r["decoder"]): r for r in parts["e"]["rows"]}

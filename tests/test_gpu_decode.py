@@ -18,6 +18,7 @@ from torchvision.io import ImageReadMode, decode_image
 
 from tests.conftest import run_script, write_tiny_shards
 from tests.helpers.jpegs import encode
+from tests.helpers.loading import taken
 from wdsdist.data import DataError, Loader, LoaderConfig, UserError
 from wdsdist.data.decode import gpu
 from wdsdist.data.decode.draws import CropDraw
@@ -89,18 +90,8 @@ def mixed_shards(root: Path) -> str:
 def batches(index: str, decode: str, n: int | None = None, state: dict | None = None, **kw) -> list[dict]:
     # max_bad: the mixed shards' damaged samples are the point, not the limit
     options = {"batch_size": 8, "workers": 2, "image_size": 32, "mode": "epoch", "image_key": "jpg;png", "max_bad": 1.0}
-    cfg = LoaderConfig(**(options | kw), decode=decode)
-    loader = Loader(index, cfg, rank=0, world=1)
-    if state is not None:
-        loader.load_state_dict(state)
-    torch.manual_seed(0)  # the workers' seeds come from it
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if n is not None and len(out) == n:
-            out.append(loader.state_dict())
-            break
-    return out
+    out, after = taken(index, LoaderConfig(**(options | kw), decode=decode), n, state)
+    return out + [after] if n is not None and len(out) == n else out
 
 
 def assert_same_batches(cpu: list[dict], gpu_: list[dict]) -> None:

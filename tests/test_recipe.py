@@ -266,7 +266,6 @@ def test_a_bad_recipe_value_stops_at_start_in_one_line_naming_it(override, messa
     [
         (["data.image_size=[[0,16],[0.5,32]]", "loader.mode=epoch"], "a schedule in epoch mode counts epochs"),
         (["data.image_size=[[0,16],[0.5,32]]", "loader.cross_shuffle=8"], "needs each batch from one worker"),
-        (["data.augment=randaugment", "loader.decode=gpu"], "data.augment=randaugment: runs on the workers' decoded"),
         (["model.name=vit_b_16", "data.eval_size=48", "data.image_size=32"], "vit_b_16 takes one input size"),
     ],
 )

@@ -8,7 +8,8 @@
 Five parts, each beside the same training step on random tensors already on the device ("pure
 compute": the trainer's own model, optimizer, autocast and memory format): (a) the default job;
 (b) a torchrun run resumed with trainer.resume=auto; (c) ResNet-50 and ResNet-18 at 224 px on
-ImageNet-size JPEGs through train.py, CPU decode against GPU decode; (d) the loader alone;
+ImageNet-size JPEGs through train.py, CPU decode against GPU decode, and ResNet-50 again with
+TrivialAugment (data.augment); (d) the loader alone, with TrivialAugment too;
 (e) the pixels of GPU decode against CPU decode. A part that fails is reported with its error
 and the others still run; the JSON and the report are rewritten after each part, so a run cut
 short still leaves what it measured. Data and runs go to a temporary folder under /tmp.
@@ -77,6 +78,7 @@ class Sizes:
     decode_threads: tuple[int, ...] = (1,)  # (c), (d): loader.gpu_decode_threads for GPU decode
     decode_shares: tuple[float, ...] = (1.0,)  # (c), (d): loader.gpu_decode_share for GPU decode
     compile_rows: bool = False  # (c): each model's CPU-decode row again with trainer.compile=true
+    augment_models: tuple[str, ...] = ("resnet50",)  # (c), (d): rows with data.augment=trivialaugment
 
 
 GPU = Sizes(
@@ -135,6 +137,7 @@ CPU = Sizes(
     warmup=2,
     log_every=1,
     models=("resnet18",),  # one model rehearses every step of the part
+    augment_models=("resnet18",),  # and its rows with TrivialAugment (ResNet-50's on a GPU)
     cpu_workers="1",
     gpu_workers=(2,),
     gpu_decoders=("torchvision", "nvimgcodec"),

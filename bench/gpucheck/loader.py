@@ -179,10 +179,13 @@ def loader_alone(check: Any, part: dict) -> None:
     common = {"batch_size": sizes.batch, "image_size": sizes.image_size, "num_classes": NCLASSES, "pin_memory": cuda}
     runs: list[tuple[str, int, dict]] = [("cpu", w, {}) for w in sizes.loader_workers if sizes.cpu_rows]
     runs += gpu_rows(sizes)
+    if sizes.augment_models:  # with TrivialAugment: CPU decode, and the first GPU decode row
+        augmented = [("cpu", sizes.loader_workers[-1], {})] * sizes.cpu_rows + gpu_rows(sizes)[:1]
+        runs += [(f"{d} + trivialaugment", w, o | {"augment": "trivialaugment"}) for d, w, o in augmented]
     for decode, workers, extra in runs:
         row: dict = {"decode": decode, "workers": workers}
         part["rows"].append(row)
-        if decode != "cpu" and not cuda:
+        if not decode.startswith("cpu") and not cuda:
             row["note"] = "rehearsal: decode=gpu's functions on CPU tensors"
         if check.left() < sizes.loader_most_s / 2:  # not begun where it could not become steady
             row |= {"status": "skipped", "error": f"the time budget ({sizes.budget_s:.0f} s) is spent"}

@@ -141,23 +141,29 @@ def resume(check: Any, part: dict) -> None:
 
 def imagenet_size(check: Any, part: dict) -> None:
     """(c): each model at the big image size, CPU decode at the trainer's worker default and GPU
-    decode with few workers, beside the model's pure compute."""
+    decode with few workers, beside the model's pure compute; then each of ``augment_models`` so
+    again with TrivialAugment (on the workers' crops, or on the device after the resize)."""
     from bench.gpucheck.loader import gpu_rows
 
     sizes = check.sizes
     index = check.work / "photos" / "photos.index.json"
     device = ["trainer.device=cpu"] if check.cpu else []
     part["steady_after"] = sizes.warmup
-    for model in sizes.models:
+    pures: dict[str, float] = {}  # a model's pure compute: the augmentations are the loader's cost
+    for model, augment in [(m, "none") for m in sizes.models] + [(m, AUGMENT) for m in sizes.augment_models]:
         common = ["data=shards", "data.num_classes=10", f"data.train_shards={index}", "data.val_shards=null"]
         common += [f"model.name={model}", f"data.image_size={sizes.image_size}", f"trainer.batch_size={sizes.batch}"]
         common += [f"trainer.steps={sizes.steps}", "trainer.ckpt_every=0", "trainer.eval_every=0"]
         common += [f"trainer.log_every={sizes.log_every}", *device]
-        pure = pure_compute(common, sizes.device, sizes.compute_steps)
-        check.say(f"  pure compute, {model}: {pure:.0f} samples/s")
+        if model not in pures:
+            pures[model] = pure_compute(common, sizes.device, sizes.compute_steps)
+            check.say(f"  pure compute, {model}: {pures[model]:.0f} samples/s")
+        pure = pures[model]
         configs = [("cpu", sizes.cpu_workers, {})] if sizes.cpu_rows else []
-        configs += [("cpu (compiled)", sizes.cpu_workers, {})] if sizes.compile_rows else []
+        configs += [("cpu (compiled)", sizes.cpu_workers, {})] if sizes.compile_rows and augment == "none" else []
         configs += [(label, str(w), options) for label, w, options in gpu_rows(sizes)]
+        if augment != "none":  # the row's decode names it: "cpu + trivialaugment"
+            configs = [(f"{label} + {augment}", w, options | {"augment": augment}) for label, w, options in configs]
         for decode, workers, options in configs:
             row = {"model": model, "decode": decode, "workers": workers, "pure_compute": pure}
             part["rows"].append(row)
@@ -167,7 +173,7 @@ def imagenet_size(check: Any, part: dict) -> None:
             if check.left() < 30:  # a row needs its warm-up and steady steps: none begun so late
                 row |= {"status": "skipped", "error": f"the time budget ({sizes.budget_s:.0f} s) is spent"}
                 continue
-            extra = [f"trainer.workers={workers}"] + [f"loader.{k}={v}" for k, v in options.items()]
+            extra = [f"trainer.workers={workers}"] + [f"{section(k)}.{k}={v}" for k, v in options.items()]
             compiled = decode.endswith("(compiled)")
             extra += ["trainer.compile=true"] if compiled else []
             # The rehearsal traces with dynamo's eager backend: inductor's code generation is the GPU
@@ -182,6 +188,14 @@ def imagenet_size(check: Any, part: dict) -> None:
             row["decode_busy"] = decode_busy(row, options.get("gpu_decode_threads", 1), sizes.batch)
             beside(row, pure)
             check.save()
+
+
+AUGMENT = "trivialaugment"  # (c), (d): the recipe's policy in the augmented rows
+
+
+def section(key: str) -> str:
+    """The config section of a row's option: data.augment, else loader.KEY."""
+    return "data" if key == "augment" else "loader"
 
 
 def decode_busy(row: dict, threads: int, batch: int) -> float | None:

@@ -34,10 +34,6 @@ def auto_decode(o: Any) -> tuple[str, str]:
     for name in ("cross_shuffle", "decode_downscale"):
         if getattr(o, name):
             return "cpu", f"auto: loader.{name} needs the CPU path"
-    if o.augment != "none" or o.random_erase > 0:
-        return "cpu", "auto: the augmentations (data.augment, data.random_erase) need the CPU path"
-    if o.size_schedule:
-        return "cpu", "auto: progressive resizing (a size schedule) needs the CPU path"
     return "gpu", f"auto: a CUDA GPU and nvImageCodec {version}, the [gpu] extra"
 
 

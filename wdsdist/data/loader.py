@@ -193,14 +193,16 @@ class Loader:
     @property
     def decode_host(self) -> dict:
         """decode=gpu: which decoder makes the training images, and its host time per batch so
-        far, in ms, by phase (the decode call, the resize's launch, the hand-over) and the decode
+        far, in ms, by phase (the decode call, the resize's launch, the augmentations' launches,
+        the hand-over) and the decode
         call's CPU time on its own thread (``decode_cpu_ms``; nvImageCodec's own threads are not
         in it); empty under decode=cpu or before the first batch."""
         decoder = self._inner.decoder if self._inner is not None else None
         if decoder is None or not decoder.host["batches"]:
             return {}
         n = decoder.host["batches"]
-        phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in ("decode", "decode_cpu", "resize", "hand_over")}
+        keys = ("decode", "decode_cpu", "resize", "augment", "hand_over")
+        phases = {f"{k}_ms": 1000 * decoder.host[k] / n for k in keys}
         return {"decoder": decoder.described, "batches": n, **phases}
 
     def reads(self) -> list[list[tuple[int, int, int, int]]]:

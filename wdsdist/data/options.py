@@ -90,7 +90,8 @@ class SampleOptions:
     epoch_samples: int | None = None
     """Several data sets with weights (``Source``): the mixed epoch's samples (plan/mix.py)."""
     augment: str = "none"
-    """A training image's augmentation after its crop and flip, on the uint8 crop in the worker:
+    """A training image's augmentation after its crop and flip, on the uint8 crop in the worker
+    (under decode=gpu on the batch on the device, after its resize: decode/gpu_augment.py):
     ``none``, ``trivialaugment`` (TrivialAugment Wide), ``randaugment`` (``augment_n`` ops of
     magnitude ``augment_m``) or ``autoaugment`` (ImageNet's policy); torchvision's own ops, drawn
     from the sample's own generator (decode/augment.py)."""
@@ -146,8 +147,8 @@ class StreamOptions:
     large images, not the same pixels (bench/results/2026-11-25-decode-downscale-accuracy.md)."""
     decode: str = "cpu"
     """Where JPEGs are decoded: ``cpu`` (in the workers) or ``gpu`` (in the training process, on
-    its GPU: the workers only read the bytes and draw the crops, so a GPU node needs few of them;
-    decode/gpu.py). The same samples, draws and resume state either way. Evaluation decodes where
+    its GPU: the workers only read the bytes and draw the crops and augmentations, so a GPU node
+    needs few of them; decode/gpu.py). The same samples, draws and resume state either way. Evaluation decodes where
     training does, so a model is evaluated on the pixels it trained on. ``auto``: gpu where the
     batches go to a CUDA GPU (pin_memory) and the [gpu] extra is installed, cpu elsewhere
     (``decode_why`` says which and why)."""

@@ -237,18 +237,8 @@ SCHEDULE_RULES: tuple[Rule, ...] = (
     ),
     (
         "size_schedule",
-        lambda o: not o.size_schedule or o.decode != "gpu",
-        "does not apply with loader.decode=gpu (its decoder resizes to one size)",
-    ),
-    (
-        "size_schedule",
         lambda o: not o.size_schedule or o.mode == LoaderMode.epoch or (o.cross_shuffle == 0 and o.mix == "sample"),
         "in repeat and resampled mode needs each batch from one worker (no cross_shuffle, mix=sample)",
-    ),
-    (
-        "augment",
-        lambda o: o.decode != "gpu" or (o.augment == "none" and o.random_erase == 0),
-        "runs on the workers' decoded crops: not with loader.decode=gpu (use decode=cpu)",
     ),
 )
 LOADER_RULES = BATCH_RULES + SAMPLE_RULES + STREAM_RULES + LAYOUT_RULES + SCHEDULE_RULES

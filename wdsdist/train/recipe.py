@@ -119,12 +119,6 @@ def check(cfg: DictConfig) -> None:
     for key in ("optim.norm_weight_decay", "optim.bias_weight_decay"):
         value = OmegaConf.select(cfg, key)
         need(value is None or value >= 0, key, "must be >= 0, or null (optim.weight_decay)")
-    gpu = cfg.loader.decode == "gpu"
-    need(
-        not gpu or (d.augment == "none" and d.random_erase == 0),
-        "data.augment" if d.augment != "none" else "data.random_erase",
-        "runs on the workers' decoded crops, and loader.decode=gpu decodes on the GPU: use loader.decode=cpu",
-    )
     if len(sizes(cfg)) > 1:
         check_schedule(cfg, need)
     eval_size = d.eval_size or largest(cfg)
@@ -138,7 +132,6 @@ def check(cfg: DictConfig) -> None:
 def check_schedule(cfg: DictConfig, need: Any) -> None:
     """A size schedule's rules beside the other options."""
     ld, key = cfg.loader, "data.image_size"
-    need(ld.decode != "gpu", key, "a schedule does not apply with loader.decode=gpu (its decoder makes one size)")
     if ld.mode == LoaderMode.epoch:
         need(cfg.trainer.epochs is not None, key, "a schedule in epoch mode counts epochs: give trainer.epochs")
     else:

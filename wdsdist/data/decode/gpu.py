@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchvision.io import ImageReadMode, decode_image
@@ -63,6 +64,8 @@ class Drawn:
     data: bytes
     box: tuple[int, int, int, int, int]  # top, left, height, width, flip
     where: str  # the shard and key, for a warning
+    size: int | None = None  # its batch's size (loader.size_schedule); None: the decoder's
+    augment: Any = None  # its augmentations' draws (augment.Drawn), made on the device (gpu_augment.py)
 
 
 def gpu_takes(data: bytes) -> bool:
@@ -101,6 +104,8 @@ def pack(images: Sequence) -> dict:
         "lengths": [len(d.data) for d in drawn],
         "boxes": [d.box for d in drawn],
         "where": [d.where for d in drawn],
+        "augment": [d.augment for d in drawn],
+        "size": drawn[0].size if drawn else None,
         "rows": rows,
         "ready_rows": ready_rows,
         "ready": torch.stack([images[i] for i in ready_rows]) if ready_rows else None,
@@ -129,9 +134,16 @@ class BatchDecoder:
     batches they cover."""
 
     def __init__(
-        self, size: int, device: torch.device, train: bool = True, engine: str = "auto", short_side: int | None = None
+        self,
+        size: int,
+        device: torch.device,
+        train: bool = True,
+        engine: str = "auto",
+        short_side: int | None = None,
+        augment: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
     ):
         self.size, self.device, self.train, self.short_side = size, device, train, short_side
+        self.augment = augment  # the drawn augmentations on the batch (gpu_augment.BatchAugment)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.codec = codecs.choose(device, self.stream, engine)
         self.resize = BatchResize(size, device)
@@ -164,9 +176,13 @@ class BatchDecoder:
             return self._done(batch, [])
         with self._side():
             made, failed = self._make(packed)
+            if self.augment is not None and any(d is not None for d in packed.get("augment", ())):
+                began = time.perf_counter()
+                made = self.augment(made, packed["augment"])
+                self.host["augment"] += time.perf_counter() - began
             if packed["ready_rows"]:
-                n = len(packed["rows"]) + len(packed["ready_rows"])
-                out = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+                n, size = len(packed["rows"]) + len(packed["ready_rows"]), made.shape[-1]
+                out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=self.device)
                 out = out.contiguous(memory_format=torch.channels_last)
                 out[packed["rows"]] = made
                 out[packed["ready_rows"]] = packed["ready"].to(self.device)
@@ -218,19 +234,20 @@ class BatchDecoder:
         decoded = time.perf_counter()
         self.host["decode"] += decoded - began
         self.host["decode_cpu"] += time.thread_time() - began_cpu  # this thread's only (gpu-check's probe: all)
-        geometry = [self._geometry(box) for box in boxes]
+        size = packed.get("size") or self.size  # loader.size_schedule: the batch's own size
+        geometry = [self._geometry(box, size) for box in boxes]
         on_device = [i for i, place in enumerate(places) if place is not None]
-        made = self.resize(src, [places[i] for i in on_device], [geometry[i] for i in on_device])
+        made = self.resize(src, [places[i] for i in on_device], [geometry[i] for i in on_device], size)
         self.counts["gpu"] += len(on_device)
         self.host["resize"] += time.perf_counter() - decoded
         if len(on_device) == len(places):
             return made, []
-        return self._on_cpu(packed, datas, places, geometry, made, on_device)
+        return self._on_cpu(packed, datas, places, geometry, made, on_device, size)
 
-    def _on_cpu(self, packed, datas, places, geometry, made, on_device) -> tuple[torch.Tensor, list[int]]:
+    def _on_cpu(self, packed, datas, places, geometry, made, on_device, size) -> tuple[torch.Tensor, list[int]]:
         """The JPEGs the device's decoder refused, decoded here by libjpeg-turbo (as the CPU path's
         whole decode) and resized one by one; those that neither decodes are left out."""
-        out = torch.empty((len(places), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+        out = torch.empty((len(places), 3, size, size), dtype=torch.uint8, device=self.device)
         out = out.contiguous(memory_format=torch.channels_last)
         if on_device:
             out[on_device] = made
@@ -247,15 +264,15 @@ class BatchDecoder:
             top, left, height, width = packed["boxes"][i][:4]
             region = image[:, top : top + height, left : left + width].permute(1, 2, 0).contiguous().flatten()
             place = Place(0, width * 3, height, width)
-            out[i] = reference(region.to(self.device), [place], [geometry[i]], self.size)[0]
+            out[i] = reference(region.to(self.device), [place], [geometry[i]], size)[0]
             self.counts["cpu"] += 1
         self.counts["failed"] += len(failed)
         return out, failed
 
-    def _geometry(self, box: Sequence[int]) -> Geometry:
+    def _geometry(self, box: Sequence[int], size: int) -> Geometry:
         if self.train:
-            return train_geometry(self.size, box[4])
-        return eval_geometry(box[2], box[3], self.size, self.short_side)
+            return train_geometry(size, box[4])
+        return eval_geometry(box[2], box[3], size, self.short_side)
 
 
 class Decoders:
@@ -270,8 +287,11 @@ class Decoders:
         train: bool = True,
         engine: str = "auto",
         short_side: int | None = None,
+        augment: Callable[[], Callable] | None = None,
     ):
-        self.all = [BatchDecoder(size, device, train, engine, short_side) for _ in range(threads)]
+        # ``augment`` makes each decoder's own (its counts are the decoder's thread's)
+        made = [augment() if augment else None for _ in range(threads)]
+        self.all = [BatchDecoder(size, device, train, engine, short_side, aug) for aug in made]
 
     @property
     def pairs(self) -> list[tuple]:

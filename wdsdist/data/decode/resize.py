@@ -121,37 +121,41 @@ class BatchResize:
         self.kernels = kernels_here(device)
         self.how = "Triton, 2 launches a batch" if self.kernels else "torch, per image"
         self.tmp = torch.empty(0, dtype=torch.float32, device=device)  # reused, grown as needed
-        self.launched = False
+        self.launched: set[int] = set()  # the sizes launched once (Triton compiles a kernel per size)
 
-    def __call__(self, src: torch.Tensor, places: Sequence[Place], geometry: Sequence[Geometry]) -> torch.Tensor:
+    def __call__(
+        self, src: torch.Tensor, places: Sequence[Place], geometry: Sequence[Geometry], size: int | None = None
+    ) -> torch.Tensor:
+        """The batch at ``size`` (a size schedule's; default the one it was made for)."""
+        size = size or self.size
         if not places:
-            return torch.empty((0, 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+            return torch.empty((0, 3, size, size), dtype=torch.uint8, device=self.device)
         if not self.kernels:
-            return reference(src, places, geometry, self.size)
+            return reference(src, places, geometry, size)
         from wdsdist.data.decode import resize_kernels
 
         params, tmp_rows, tallest = params_of(places, geometry)
         params = params.to(self.device, non_blocking=True)
-        need = tmp_rows * self.size * 3
+        need = tmp_rows * size * 3
         if self.tmp.numel() < need:
             self.tmp = torch.empty(int(need * 1.25), dtype=torch.float32, device=self.device)
-        out = torch.empty((len(places), self.size, self.size, 3), dtype=torch.uint8, device=self.device)
-        if self.launched:
-            resize_kernels.launch(src, self.tmp, out, params, self.size, tallest)
+        out = torch.empty((len(places), size, size, 3), dtype=torch.uint8, device=self.device)
+        if size in self.launched:
+            resize_kernels.launch(src, self.tmp, out, params, size, tallest)
         else:
             with _FIRST_LAUNCH:
-                if not self._first_launch(src, out, params, tallest):
-                    return reference(src, places, geometry, self.size)
+                if not self._first_launch(src, out, params, tallest, size):
+                    return reference(src, places, geometry, size)
         return out.permute(0, 3, 1, 2)  # N x 3 x S x S, channels_last in memory
 
-    def _first_launch(self, src, out, params, tallest: int) -> bool:
+    def _first_launch(self, src, out, params, tallest: int, size: int) -> bool:
         """The kernels' first launch, where Triton compiles them. A GPU machine on which Triton
         cannot compile (no compiler, say) goes on with the per-image reference, and says so in one
         line; under the interpreter, which compiles nothing, the error is the kernels' own: raised."""
         from wdsdist.data.decode import resize_kernels
 
         try:
-            resize_kernels.launch(src, self.tmp, out, params, self.size, tallest)
+            resize_kernels.launch(src, self.tmp, out, params, size, tallest)
         except Exception as exc:
             if os.environ.get("TRITON_INTERPRET") == "1":
                 raise
@@ -161,5 +165,5 @@ class BatchResize:
                 str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__,
             )
             return False
-        self.launched = True
+        self.launched.add(size)
         return True

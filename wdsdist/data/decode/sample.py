@@ -150,6 +150,7 @@ def prepare_sample(
     crop: CropDecoder | None = None,
     draw: Callable[[int, int], tuple[dict, bool]] | None = None,
     augment: augments.SampleAugment | None = None,
+    size: int | None = None,
 ) -> Callable[[], tuple[torch.Tensor | Drawn, int]]:
     """decode_sample in two steps. This one checks the sample and makes its random draws, so it
     runs in the stream's order; for a JPEG that ``crop`` takes, the function it returns (a
@@ -157,8 +158,9 @@ def prepare_sample(
     at once (the worker's first batch: warmstart.py). Other images are decoded here. Either step
     raises DataError naming the shard and key. With ``draw`` (loader.decode=gpu), a JPEG that the
     GPU decoder takes comes out undecoded, as a gpu.Drawn with the crop and flip ``draw`` made,
-    where the CPU path makes the same draws (decode/gpu.py). With ``augment``, its draws follow
-    the crop's, and the function applies them to the crop (decode/augment.py)."""
+    where the CPU path makes the same draws (decode/gpu.py), and at ``size`` (its batch's). With
+    ``augment``, its draws follow the crop's, and the function applies them to the crop
+    (decode/augment.py); a gpu.Drawn carries them to the device (decode/gpu_augment.py)."""
     where = f"{sample.get('__url__')}: sample {sample.get('__key__')!r}"
     data, label = _find(sample, cfg.image_key), _find(sample, cfg.label_key)
     if data is None or label is None:
@@ -190,7 +192,9 @@ def prepare_sample(
     # decode=gpu: the GPU's share of the JPEGs it takes; the others go on as on the CPU path
     if draw is not None and CropDecoder.takes(data) and gpu_takes(data) and on_gpu(where, cfg.gpu_decode_share):
         p, flip = draw(width, height)
-        return _ready(Drawn(data, (p["top"], p["left"], p["height"], p["width"], int(flip)), where), value)
+        drawn = augment.draw() if augment is not None else None  # after the crop's, as below
+        box = (p["top"], p["left"], p["height"], p["width"], int(flip))
+        return _ready(Drawn(data, box, where, size, drawn), value)
     if region:
         return _augmented(RegionJob(crop, data, width, height, crop.draw(width, height), whole, value), augment)
     return _augmented(_ready(transform(whole()), value), augment)

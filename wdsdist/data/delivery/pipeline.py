@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import webdataset as wds
 
-from wdsdist.data.decode import gpu, jpegcrop
+from wdsdist.data.decode import gpu, gpu_augment, jpegcrop
 from wdsdist.data.decode.codecs import planned as planned_decoder  # noqa: F401 (the Loader names it)
 from wdsdist.data.decode.gpu import Decoders
 from wdsdist.data.decode.sample import eval_image
@@ -139,7 +139,11 @@ class RankLoader:
         if cfg.decode == "gpu":
             device = gpu.device()
             short = None if cfg.train else cfg.eval_crop[0]
-            self.decoder = Decoders(cfg.gpu_decode_threads, cfg.image_size, device, cfg.train, cfg.gpu_decoder, short)
+            augment = None  # data.augment, data.random_erase: on the device after the resize
+            if gpu_augment.wanted(cfg.augment, cfg.random_erase, cfg.train):
+                augment = functools.partial(gpu_augment.BatchAugment, cfg.mean)
+            threads, engine = cfg.gpu_decode_threads, cfg.gpu_decoder
+            self.decoder = Decoders(threads, cfg.image_size, device, cfg.train, engine, short, augment)
         shared = None
         if cfg.workers > 0 and cfg.reuse_buffers and self.decoder is None:
             shape = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)

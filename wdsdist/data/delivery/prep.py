@@ -62,7 +62,7 @@ class SamplePrep:
                 draw = CropDraw(*transform.transforms) if cfg.train else whole_image
             augment = make_augment(cfg, size)
             prepare = functools.partial(
-                prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw, augment=augment
+                prepare_sample, cfg=cfg, transform=transform, crop=crop, draw=draw, augment=augment, size=size
             )
             self._sized[size] = (prepare, crop is not None and draw is None)
         return self._sized[size]
