@@ -144,7 +144,7 @@ data="data/check-image-$STAMP"
 uid=$(id -u) gid=$(id -g)
 
 # jpegcrop: the prebuilt library loads, as your uid, from the image's read-only .build/.
-# (the same module command the image's build runs, and tests/test_jpegcrop.py runs on the package)
+# (the same module command the image's build runs, and tests/data/decode/test_jpegcrop.py runs on the package)
 step jpegcrop docker run --rm --network none --user "$uid:$gid" --entrypoint python3 "$IMAGE" -m wdsdist.tools.jpegcheck
 
 timed() {  # timed NAME CMD...: step, then one line with the command and its time

@@ -64,8 +64,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     test modules: over a million objects) moves out of its garbage collector's reach. A full
     collection walked all of it, about 0.2 s of CPU each, and simdist's real mode collects once
     per rank to end that rank's DataLoader workers: a third of the CPU of the in-process tests
-    that run it (test_simdist_layouts.py: 18.9 s -> 8.2 s). What the tests make is collected as
-    before; tests/test_worker_memory.py, which measures the collector, thaws it for its tests."""
+    that run it (tests/simdist/test_simdist_layouts.py: 18.9 s -> 8.2 s). What the tests make is
+    collected as before; tests/data/delivery/test_worker_memory.py, which measures the collector,
+    thaws it for its tests."""
     gc.collect()
     gc.freeze()
 
@@ -169,7 +170,7 @@ def run_script(
     webdataset and Hydra imported (tests/preloaded.py): a fresh process in all else, seconds
     sooner. ``ranks``: that many processes, the ranks of one job on this node, as torchrun
     starts them (tests/helpers/training.py's ``ranks``); their output in one stdout and stderr.
-    ``preload``: modules to have imported as well, in a second such Python (for tests/test_lightning.py's
+    ``preload``: modules to have imported as well, in a second such Python (for tests/lightning/test_lightning.py's
     runs: importing Lightning took 1.6 s of CPU in each rank)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     server = _preloaded_python(preload)

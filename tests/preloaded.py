@@ -4,7 +4,7 @@ environment, argv, __main__), minus the 3-6 s a fresh interpreter spends importi
 suite starts a few hundred such scripts; tests/conftest.py's run_script sends them here. A child
 ends as multiprocessing's do: what its work can see of an interpreter's exit, then os._exit
 (``exit_as_python_does``). Modules named on its command line are imported as well (run_script's
-``preload``: Lightning, for tests/test_lightning.py).
+``preload``: Lightning, for tests/lightning/test_lightning.py).
 
 Protocol: one JSON request a line on stdin ({argv, cwd, env, stdout, stderr}: the files the
 child writes); the answer is a line with the child's pid, then one with its wait status.

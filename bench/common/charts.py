@@ -8,7 +8,7 @@ Three kinds of report have a chart, told by the file name: the peers benchmark (
 samples/s, first batch and memory (PSS, else peak RSS) of each loader, per data set), the mixing reports
 (``*-mixing*.md``: samples/s and CPU per sample of each contender) and the remote reports
 (``*-remote*.md``: samples/s, first batch and bytes from the store per contender and epoch). A
-report added of one of these kinds gets its chart when this runs again; tests/test_docs.py holds
+report added of one of these kinds gets its chart when this runs again; tests/repo/test_docs.py holds
 that every such report has one, no older than the report, naming it (in its title, and in the
 PNG's ``Source`` text chunk).
 """

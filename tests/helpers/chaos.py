@@ -1,4 +1,4 @@
-"""./run chaos: every fault scenario of tests/test_cluster_faults.py on a cluster of network
+"""./run chaos: every fault scenario of tests/cluster/test_cluster_faults.py on a cluster of network
 namespaces, one after another (each uses both cores), then one table: scenario, outcome, samples
 missing and duplicated (beyond the stated padding), seconds to recover. Arguments go to pytest
 (for example -k partition). Needs root for the namespaces; says so in one line otherwise."""
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         rows_file, junit = Path(tmp) / "rows.jsonl", Path(tmp) / "junit.xml"
         env = {**os.environ, "WDSDIST_CHAOS": "1", "WDSDIST_CHAOS_TABLE": str(rows_file)}
         cmd = [sys.executable, "-m", "pytest", "-n", "0", "-q", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
-        rc = subprocess.call([*cmd, "tests/test_cluster_faults.py", *argv], cwd=ROOT, env=env)
+        rc = subprocess.call([*cmd, "tests/cluster/test_cluster_faults.py", *argv], cwd=ROOT, env=env)
         rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
         results = junit_results(junit) if junit.exists() else []
     print()

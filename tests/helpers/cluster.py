@@ -1,4 +1,4 @@
-"""A cluster on one machine, for the fault scenarios (tests/test_cluster_faults.py, ./run chaos).
+"""A cluster on one machine, for the fault scenarios (tests/cluster/test_cluster_faults.py, ./run chaos).
 
 Each node is a network namespace with its own veth link to a bridge; a head namespace runs the
 rendezvous store (a standalone c10d TCPStore, as a cluster's rendezvous service would be, so it

@@ -1,5 +1,5 @@
 """scikit-learn's handwritten digits (real scans, 8 x 8) as an ImageFolder tree: what
-tests/test_own_images.py trains on, and the recipe study's data (bench/recipe/recipe.py)."""
+tests/model/test_own_images.py trains on, and the recipe study's data (bench/recipe/recipe.py)."""
 
 from __future__ import annotations
 

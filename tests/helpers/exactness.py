@@ -1,4 +1,4 @@
-"""The randomized exactness test's driver (tests/test_exactness.py, ./run fuzz).
+"""The randomized exactness test's driver (tests/data/test_exactness.py, ./run fuzz).
 
 A case (tests/helpers/exactness_cases.py, which draws them) is a data set (or up to three,
 mixed), loader options and a chain of up to three layouts (ranks given by hand, so no process

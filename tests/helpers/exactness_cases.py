@@ -3,7 +3,7 @@
 A case (``Case``) is a data set (or up to three, mixed, each a ``Data``), loader options and a
 chain of up to three layouts, each given as (ranks, workers). ``cases()`` draws them within the
 bounds the driver can run (tests/helpers/exactness.py's ``check_case``): most cases fit every
-layout, a few are meant to be refused at start. tests/test_exactness.py draws from it in the
+layout, a few are meant to be refused at start. tests/data/test_exactness.py draws from it in the
 suite and keeps the cases it found; ``./run fuzz`` (tests/helpers/fuzz.py) draws new ones.
 """
 
@@ -48,7 +48,7 @@ class Case:
     unreadable: tuple[int, ...] = ()
 
     def config(self, workers: int) -> LoaderConfig:
-        # max_bad: every loss is filled, however many (the limit is tests/test_damaged.py's)
+        # max_bad: every loss is filled, however many (the limit is tests/data/test_damaged.py's)
         return LoaderConfig(
             batch_size=self.batch, workers=workers, mode=self.mode, split=self.split, remainder=self.remainder,
             shuffle_buffer=self.buffer, seed=self.seed, image_size=self.size_at(0, 10**9), mix=self.mix,

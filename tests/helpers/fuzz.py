@@ -1,4 +1,4 @@
-"""./run fuzz: the randomized exactness test (tests/test_exactness.py) on new random cases.
+"""./run fuzz: the randomized exactness test (tests/data/test_exactness.py) on new random cases.
 
     ./run fuzz --examples 300          # 300 examples, one process per core
     ./run fuzz --minutes 60            # as many as an hour allows
@@ -6,7 +6,7 @@
 
 Each process draws its own cases (hypothesis, seeded from --seed and its number) in rounds of
 ROUND examples and prints a line every 30 seconds. A failing case is shrunk to a small one and
-printed with the line that replays it; keep it as an ``@example`` in tests/test_exactness.py.
+printed with the line that replays it; keep it as an ``@example`` in tests/data/test_exactness.py.
 Exit 0 when every example held, 1 when one failed.
 """
 

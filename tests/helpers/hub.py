@@ -2,7 +2,7 @@
 and a CDN of signed blob URLs on a second port, so huggingface_hub's own client and our ranged reader run
 against it as against huggingface.co, with the faults (429, expired URLs, cut connections) a test needs.
 
-Faithful to huggingface_hub 2.4.0 (tests/test_hub_fake.py drives it with that client): errors carry
+Faithful to huggingface_hub 2.4.0 (tests/data/sources/test_hub_fake.py drives it with that client): errors carry
 X-Error-Code / X-Error-Message as hf_raise_for_status maps them; an LFS file's HEAD is a 302 to another
 origin, which get_hf_file_metadata does not follow, so its metadata comes from X-Linked-* headers."""
 

@@ -32,7 +32,7 @@ counts it. Nothing else changes: the batches, their workers and len() are the un
 split=shards (repeat mode): rank r reads shards[r::W], its worker j those [j::w]; each epoch a
 worker reads its shards in the epoch's order, and its batches run on across epochs.
 
-This is what tests/test_exactness.py holds the real ``Loader`` to, on every layout it draws.
+This is what tests/data/test_exactness.py holds the real ``Loader`` to, on every layout it draws.
 What defines the sequence itself is taken as given (the caller passes it in): a mix's padding
 positions and epoch lengths, and the epoch's shard order.
 """

@@ -64,7 +64,7 @@ def overrides(shards, run_dir: Path, *extra: str, train_spec: str | None = None)
     ]
 
 
-# The fault tests' runs (tests/test_faults_train.py, tests/test_faults_checkpoints.py): no
+# The fault tests' runs (tests/train/test_faults_train.py, tests/train/test_faults_checkpoints.py): no
 # evaluation, one loader worker.
 FAST = ("data.val_shards=null", "trainer.workers=1")
 

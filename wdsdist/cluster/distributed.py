@@ -104,7 +104,7 @@ def _start_groups(rank: int, world: int, dev: torch.device, timeout_s: float) ->
     use_cuda = dev.type == "cuda"
     # Testing only: "cuda:gloo" gives the default group NCCL's device map on the CPU (gloo
     # for CUDA tensors, nothing for CPU ones), so a CPU tensor sent through it fails as it
-    # would under NCCL (tests/test_train.py runs training so).
+    # would under NCCL (tests/train/test_train.py runs training so).
     backend = os.environ.get("WDSDIST_TEST_BACKEND") or ("nccl" if use_cuda else "gloo")
     # The job's store (MASTER_ADDR:MASTER_PORT) outlives worker restarts under torchrun
     # (--max-restarts), and so do the addresses the last attempt's ranks left in it: each

@@ -248,7 +248,7 @@ def stall_message(states: dict[int, tuple[int, int, str]], world: int, idle: flo
 
 def stall_for_test(rank: int, steps: int) -> None:
     """TEST HOOK: WDSDIST_TEST_STALL_RANK=R and WDSDIST_TEST_STALL_STEP=S make rank R stop for
-    good before step S, as a hung file system or a dead data server would (tests/test_faults_train.py)."""
+    good before step S, as a hung file system or a dead data server would (tests/train/test_faults_train.py)."""
     if os.environ.get("WDSDIST_TEST_STALL_RANK") == str(rank) and os.environ.get("WDSDIST_TEST_STALL_STEP") == str(
         steps + 1
     ):
@@ -259,7 +259,7 @@ def hold_for_test(rank: int, steps: int, generation: int, stop_requested: Callab
     """TEST HOOK: WDSDIST_TEST_HOLD=PATH and WDSDIST_TEST_HOLD_STEP=S make every rank of the
     job's G-th start, before step S, write its pid to PATH.gG.rank-R and wait while PATH.gG
     exists and no stop is requested, so a test can fault a node at a known step of a known start
-    (tests/test_cluster_faults.py): every rank is between two steps, the checkpoints before S
+    (tests/cluster/test_cluster_faults.py): every rank is between two steps, the checkpoints before S
     written."""
     hold = os.environ.get("WDSDIST_TEST_HOLD")
     if hold and os.environ.get("WDSDIST_TEST_HOLD_STEP") == str(steps + 1):
@@ -275,7 +275,7 @@ def trace_for_test(rank: int, step: int, batch: dict, generation: int) -> None:
     """TEST HOOK: WDSDIST_TEST_TRACE=DIR makes each rank append, per step it trains, the step, the
     batch's epoch and its samples' positions (split=samples) to DIR/start-G/rank-R.txt (G: the
     job's start in its run directory), so a test can check which samples a run delivered, also
-    across restarts (tests/test_train_elastic.py, tests/test_cluster_faults.py)."""
+    across restarts (tests/train/test_train_elastic.py, tests/cluster/test_cluster_faults.py)."""
     where = os.environ.get("WDSDIST_TEST_TRACE")
     if where:
         folder = os.path.join(where, f"start-{generation}")
@@ -289,7 +289,7 @@ def pixels_for_test(rank: int, step: int, batches: list[dict]) -> None:
     """TEST HOOK: WDSDIST_TEST_PIXELS=DIR makes each rank append, per sample it trains on, the
     step, the micro-batch, the sample's epoch, position and a CRC of its uint8 pixels (as the
     loader gave them, before mixing) to DIR/rank-R.txt, so a test can hold a resumed run's
-    pixels to the uninterrupted run's (tests/test_recipe_exact.py)."""
+    pixels to the uninterrupted run's (tests/train/test_recipe_exact.py)."""
     where = os.environ.get("WDSDIST_TEST_PIXELS")
     if not where:
         return
@@ -308,7 +308,7 @@ def kill_for_test(rank: int, written: int) -> None:
     """TEST HOOK: WDSDIST_TEST_KILL_RANK=R and WDSDIST_TEST_KILL_AFTER=N make rank R of a
     prediction job kill itself (SIGKILL, as the OOM killer or a lost node would) once it has
     written N parts or pieces, so a test can restart the job from a known state
-    (tests/test_predict_dist.py)."""
+    (tests/predict/test_predict_dist.py)."""
     after = os.environ.get("WDSDIST_TEST_KILL_AFTER")
     if after and os.environ.get("WDSDIST_TEST_KILL_RANK") == str(rank) and written >= int(after):
         os.kill(os.getpid(), signal.SIGKILL)

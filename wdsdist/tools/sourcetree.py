@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from wdsdist.errors import UserError
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, the listing's rule, as a copy: importing torchvision
-# costs seconds of every makeshards run (tests/test_makeshards.py compares the two listings).
+# costs seconds of every makeshards run (tests/tools/test_makeshards.py compares the two listings).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 

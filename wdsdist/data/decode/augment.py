@@ -10,7 +10,7 @@ the policies; RandomErasing's box by ``F.erase``. So the draws are made in the s
 from the sample's own generator (seeded by the sample: plan/seeds.sample_draws), like its crop's,
 and the pixels may be made later, on any thread (the warm start's); a resumed or resized run draws
 the same for each sample. For the same draws the output equals the v2 transform's on the image as
-a PIL image (tests/test_augment.py, each op in tests/test_augment_ops.py).
+a PIL image (tests/data/decode/test_augment.py, each op in tests/data/decode/test_augment_ops.py).
 
 Random erasing fills with the data's mean colour: torchvision's reference and timm erase to 0
 after normalising, which is the mean.

@@ -17,7 +17,7 @@ Per op (``HOW``; each op's cost three ways: bench/recipe/recipe.py --ops, the re
   (posterize, invert).
 
 A crop moves between a tensor and a PIL image only when the next op wants the other form; both
-hold the same bytes (HWC, RGB). tests/test_augment_ops.py holds each op's pixels equal to
+hold the same bytes (HWC, RGB). tests/data/decode/test_augment_ops.py holds each op's pixels equal to
 torchvision's on a PIL image, over every magnitude each policy draws.
 """
 

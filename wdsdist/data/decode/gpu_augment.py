@@ -12,7 +12,7 @@ augmented already and have no draws here.
 
 Tolerance. On the same uint8 crop and draws, every op gives the CPU path's pixels exactly (max abs
 diff 0), the affine ops included, whose matrix is the one PIL is asked for (augment_ops.affine_of)
-and whose right-angle rotations are PIL's transposes; tests/test_gpu_augment.py holds this for
+and whose right-angle rotations are PIL's transposes; tests/data/decode/test_gpu_augment.py holds this for
 every op at every magnitude TrivialAugment, RandAugment and AutoAugment draw. Through the loader
 the crops themselves differ: decode=gpu resizes in floating point, the CPU path with integer
 weights (gpu.py: within a grey level or two). Each op carries that on in its own way, and

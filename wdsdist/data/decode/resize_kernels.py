@@ -13,7 +13,7 @@ Per image, the table holds one row of int64 (PARAMS names the columns). The kern
 end in ``_ptr``: Triton's launcher (3.6) names a local of its own ``params``, which an argument of
 that name met as a dict. Triton's interpreter
 (``TRITON_INTERPRET=1``, set before this module is imported) runs both on CPU tensors, which is
-how the suite checks them against the CPU path (tests/test_gpu_resize.py).
+how the suite checks them against the CPU path (tests/data/decode/test_gpu_resize.py).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _decode_other(data: bytes, where: str, max_pixels: int) -> torch.Tensor:
     The pixel budget counts every frame, as declared by the file (the frame count of a GIF is
     found by walking its blocks, none decoded): torchvision decodes all of them, so a GIF under a
     kilobyte with a 2000x2000 canvas and 40 one-pixel frames would cost hundreds of MB
-    (tests/test_faults_data.py holds the budget).
+    (tests/data/test_faults_data.py holds the budget).
     """
     try:
         with Image.open(io.BytesIO(data), formats=_PIL_FORMATS) as img:

@@ -33,7 +33,7 @@ def lightning(tmp: Path, index: Path, name: str, *extra: str, devices: int = RAN
     """Run the example; each rank's batches as it traced them (epoch, len, pos, id). Its output
     goes to TMP/NAME.out. Its ranks are forked from the preloaded Python with torchrun's
     environment, which Lightning takes as torchrun's launch (tests/preloaded.py); the example's
-    own launch, Lightning starting the other ranks, is tests/test_examples.py's. That Python has
+    own launch, Lightning starting the other ranks, is tests/repo/test_examples.py's. That Python has
     Lightning imported too (1.6 s of CPU a rank otherwise; the rank its import reads from the
     environment, the Trainer sets again as it is made, before it prints). The example's ResNet-18 is
     a one-convolution net here (tests/helpers/small_model.py): the data's order is what is checked

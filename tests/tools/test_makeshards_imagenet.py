@@ -190,7 +190,7 @@ def test_two_ranks_write_the_shards_of_one_process(tmp_path):
 
 @pytest.fixture
 def bucket(tmp_path, monkeypatch):
-    """moto's S3 on loopback (a real HTTP server, as tests/test_object_store.py runs it) with a bucket."""
+    """moto's S3 on loopback (a real HTTP server, as tests/data/sources/test_object_store.py runs it) with a bucket."""
     pytest.importorskip("moto")
     import threading
 

@@ -82,7 +82,7 @@ def test_every_op_of_the_policy_is_reached_and_its_magnitudes_stay_in_range(name
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_the_ops_equal_torchvisions_own_transform_of_the_image_as_pil(name):
-    """The reference's way: the v2 policy on a PIL image (each op: tests/test_augment_ops.py)."""
+    """The reference's way: the v2 policy on a PIL image (each op: tests/data/decode/test_augment_ops.py)."""
     image, theirs = photo(), POLICIES[name]()
     pil = Image.fromarray(image.permute(1, 2, 0).numpy())
     ours = SampleAugment(name, 2, 9, 0.0, MEAN, image.shape[-1])

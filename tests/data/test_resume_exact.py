@@ -1,6 +1,6 @@
 """Resuming, through the public API: the three ways it broke (issue 35), each held by a test named
 for the behaviour, and the saved state's format (a version, older states read, malformed ones
-refused in one line). The randomized test against the model is tests/test_exactness.py."""
+refused in one line). The randomized test against the model is tests/data/test_exactness.py."""
 
 from __future__ import annotations
 

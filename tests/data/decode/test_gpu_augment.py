@@ -1,5 +1,5 @@
 """decode=gpu's augmentations and size schedule (decode/gpu_augment.py) without a GPU: the device
-is the CPU (as in tests/test_gpu_decode.py). Each op on the same crop gives the CPU path's
+is the CPU (as in tests/data/decode/test_gpu_decode.py). Each op on the same crop gives the CPU path's
 pixels exactly; through the loader, with TrivialAugment, random erasing and a size schedule, the
 batches hold the CPU path's samples, labels, sizes and resume state, and each op's pixels are
 within its stated tolerance (gpu_augment.TOLERANCE) of the CPU path's for the same draws."""

@@ -130,7 +130,7 @@ def test_a_page_names_its_tests_in_one_place_not_in_its_prose():
         f"{page.name}:{n}"
         for page in sorted((ROOT / "docs").glob("*.md"))
         for n, line in enumerate(page.read_text().splitlines(), 1)
-        if re.search(r"tests/test_\w+\.py::\w+", line) and not line.startswith("|")
+        if re.search(r"tests/(?:\w+/)*test_\w+\.py::\w+", line) and not line.startswith("|")
     ]
     assert inline == [], f"move these test ids into the page's table of tests: {inline}"
 
@@ -193,5 +193,5 @@ def test_every_test_a_page_cites_exists():
 
 
 def test_the_citation_check_sees_files_and_names():
-    text = "held by `tests/test_a.py::test_b`, `tests/helpers/cluster.py`, tests/test_c.py, not tests/FILE.py::NAME."
-    assert cited_tests(text) == [("test_a.py", "test_b"), ("helpers/cluster.py", None), ("test_c.py", None)]
+    text = "held by `tests/d/test_a.py::test_b`, `tests/helpers/cluster.py`, tests/test_c.py, not tests/FILE.py::NAME."
+    assert cited_tests(text) == [("d/test_a.py", "test_b"), ("helpers/cluster.py", None), ("test_c.py", None)]

@@ -24,7 +24,7 @@ COUNTS = [7, 13, 5, 11, 9, 6, 12]  # uneven on purpose
 
 
 def cfg(**kw):
-    # split=shards: these test whole-shard splitting (split=samples, the epoch default: test_sample_split.py)
+    # split=shards: these test whole-shard splitting (split=samples, the epoch default: plan/test_sample_split.py)
     base = dict(batch_size=4, workers=2, mode="epoch", split="shards", image_size=8, with_keys=True, shuffle_buffer=20)
     return LoaderConfig(**(base | kw))
 

@@ -1,7 +1,7 @@
 """The loader's public API (wdsdist.data): what a user's own loop relies on, in-process.
 
-Multi-process behaviour (the gathered state, torchrun) is held by tests/test_examples.py and
-tests/test_lightning.py; the splitting and resume machinery underneath by their own tests.
+Multi-process behaviour (the gathered state, torchrun) is held by tests/repo/test_examples.py and
+tests/lightning/test_lightning.py; the splitting and resume machinery underneath by their own tests.
 """
 
 from __future__ import annotations

@@ -179,8 +179,8 @@ def test_epoch_mode_runs_whole_epochs(shards, tmp_path):
 
 def test_two_ranks_agree_and_count_every_val_sample(shards, tmp_path):
     # The ranks forked with the environment torchrun gives them (tests/helpers/training.py): what
-    # they do is the point here; torchrun's own agent runs this job in tests/test_faults_train.py
-    # (a restart, SIGTERM) and tests/test_remote_and_multinode.py (two nodes, with evaluation).
+    # they do is the point here; torchrun's own agent runs this job in tests/train/test_faults_train.py
+    # (a restart, SIGTERM) and tests/cluster/test_remote_and_multinode.py (two nodes, with evaluation).
     run = tmp_path / "run"
     proc = ranks(2, *overrides(shards, run, "trainer.steps=4", "trainer.ckpt_every=2"))
     assert proc.returncode == 0, proc.stdout + proc.stderr

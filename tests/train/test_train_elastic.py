@@ -5,7 +5,7 @@ every rank trains the same steps, and no rank hangs. Each rank traces the positi
 (faults.trace_for_test), which name the samples through the epoch's shard order. The ranks are
 forked with torchrun's environment (tests/helpers/training.py's ``ranks``): the resize is the
 trainer's and the loader's work, not torchrun's agent's, whose re-forming of a job
-tests/test_cluster_faults.py and tests/test_faults_train.py hold."""
+tests/cluster/test_cluster_faults.py and tests/train/test_faults_train.py hold."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The CUDA paths, checked without a GPU: the decisions are pure functions of what the machine
 reports (driver text, compute capability, the build's kernels), and the collectives are run
-on CPU ranks over gloo. Training under NCCL's device map is in tests/test_train.py."""
+on CPU ranks over gloo. Training under NCCL's device map is in tests/train/test_train.py."""
 
 from __future__ import annotations
 

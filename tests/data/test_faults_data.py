@@ -70,7 +70,7 @@ def test_http_shards_read_and_a_dead_server_fails_fast(http_root):
     keys, _ = keys_and_bad(make_eval_loader(shardspec.expand(f"{http_root}/tiny-{{000000..000002}}.tar"), 0, 1, cfg()))
     assert len(keys) == 18
     dead = [shardspec.Shard("http://127.0.0.1:9/tiny-000000.tar", 6)]
-    # data.http_retry_s=0: no retry, the shard fails at once (tests/test_http_retry.py: the retries).
+    # data.http_retry_s=0: no retry, the shard fails at once (tests/data/sources/test_http_retry.py: the retries).
     with pytest.raises(DataError, match=r"http://127.0.0.1:9/tiny-000000.tar: cannot read shard: URLError"):
         list(make_eval_loader(dead, 0, 1, cfg(strict=True, http_timeout=5, http_retry_s=0)))
 

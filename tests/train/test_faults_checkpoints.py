@@ -1,4 +1,4 @@
-"""Faults in a training job's checkpoints on disk (the rest of its faults: tests/test_faults_train.py):
+"""Faults in a training job's checkpoints on disk (the rest of its faults: tests/train/test_faults_train.py):
 a crash mid-save leaves the previous checkpoint whole, a corrupt latest one falls back to the one
 before, pruning never loses latest.pt's file, a start cut off from a later one writes nothing (no
 split brain), a run directory holds one run, and a pickled payload never runs. Most save real

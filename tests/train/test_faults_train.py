@@ -1,5 +1,5 @@
 """Faults in a training job: bad data on one rank, a killed rank, SIGTERM, a stalled rank (the
-checkpoints on disk, torn, corrupt or hostile: tests/test_faults_checkpoints.py). Real train.py
+checkpoints on disk, torn, corrupt or hostile: tests/train/test_faults_checkpoints.py). Real train.py
 runs (gloo, CPU), kept tiny: SqueezeNet on 32-pixel images, one loader worker, no evaluation
 unless it is the point. Under torchrun where its agent is the point (restarts, signals to the job,
 a stalled rank's timeout); bad data is the ranks' own work, so those ranks are forked with

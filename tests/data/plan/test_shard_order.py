@@ -174,7 +174,7 @@ def test_a_layout_the_node_order_cannot_take_is_refused_in_one_line(tiny_shards)
 
 def test_the_ranks_per_node_are_read_from_torchrun_in_the_one_place_that_reads_its_env(monkeypatch):
     """wdsdist/cluster/distributed.py reads LOCAL_WORLD_SIZE beside RANK and WORLD_SIZE (the trainer
-    hands Dist.local_world to the loader as node_ranks: tests/test_config_sources.py)."""
+    hands Dist.local_world to the loader as node_ranks: tests/train/test_config_sources.py)."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "two")):
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=r"^environment variable LOCAL_WORLD_SIZE='two' is not an integer$"):

@@ -3,7 +3,7 @@ environment: tests/preloaded.py): every sample once, in the spec's order, equal 
 output; a job killed mid-way restarts by part; another model into the same folder is refused;
 bad samples and shards are counted and named; folders are cut into parts; --features and
 --write-shards. The model is an untrained ResNet-18 for 16-pixel images (tests/helpers/predicting.py).
-hf:// and s3:// specs: tests/test_hub_source.py and tests/test_object_store.py."""
+hf:// and s3:// specs: tests/data/sources/test_hub_source.py and tests/data/sources/test_object_store.py."""
 
 from __future__ import annotations
 
