@@ -126,7 +126,7 @@ def prepare(data: Path, n: int, dataset: str = "noise") -> dict:
     """Write n images as shards (with index) and as an ImageFolder tree, once."""
     marker = data / f"ready-{n}.json"
     if dataset == "photos":  # made anew whenever bench/loader/photos.py draws other images
-        marker = data / f"ready-{n}-{peervenv.file_hash(ROOT / 'bench' / 'photos.py')[:12]}.json"
+        marker = data / f"ready-{n}-{peervenv.file_hash(ROOT / 'bench' / 'loader' / 'photos.py')[:12]}.json"
     if marker.exists():  # (a marker of an older bench.py lacks dataset and size)
         return {"dataset": dataset, "size": SIZES[dataset]} | json.loads(marker.read_text())
     from tqdm import tqdm

@@ -172,7 +172,7 @@ def import_first(name: str) -> None:
         "spdl": ["spdl.io", "spdl.pipeline"],
     }
     if name in PEERS:
-        for module in ["peers", *modules[name]]:
+        for module in ["bench.loader.peers", *modules[name]]:
             importlib.import_module(module)
     else:
         for module in ["webdataset", "torchvision.datasets", "wdsdist.data.delivery.pipeline", "wdsdist.data.options"]:
