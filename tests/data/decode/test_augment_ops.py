@@ -81,3 +81,25 @@ def test_a_chain_of_ops_moves_between_forms_and_equals_pils_chain():
         augment_ops.apply_op(policy, c, second, m2, lib)
         want = theirs(policy, theirs(policy, image, first, m1), second, m2)
         assert torch.equal(c.tensor(), want), (first, second)
+
+
+def band_image(values_per_band: list[list[int]], size: int = 24) -> torch.Tensor:
+    """A crop whose bands take these values (repeated in order), so their histograms are known."""
+    bands = [torch.tensor(values * (size * size // len(values) + 1))[: size * size] for values in values_per_band]
+    return torch.stack(bands).view(3, size, size).to(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "bands",
+    [
+        [[7], [0, 255], [3] + [200] * 10],  # one value; the two ends; a step of 0 (the top value holds most)
+        [[0] * 500 + [1], [250, 251, 252, 253, 254, 255], list(range(256))],  # a table past 255; every value
+        [[128, 129], [5, 9, 9, 9, 17, 17, 250], [60] * 7 + [61]],
+    ],
+)
+def test_autocontrast_and_equalize_tables_equal_imageops_on_every_kind_of_histogram(bands):
+    """Their tables come from the crop's histogram in ImageOps' arithmetic, made here with numpy:
+    the edge cases of its code (one value, a step of 0, values past 255 that ``point`` clips)."""
+    policy, lib, image = POLICIES["trivialaugment"](), augment_ops.library(), band_image(bands)
+    for op in ("AutoContrast", "Equalize"):
+        assert torch.equal(ours(policy, image, op, 0.0, lib), theirs(policy, image, op, 0.0)), op

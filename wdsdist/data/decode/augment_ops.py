@@ -154,19 +154,50 @@ def _geometric(lib: ctypes.CDLL, hwc: torch.Tensor, op: str, magnitude: float, p
     return out.permute(2, 0, 1)
 
 
-def _counts(lib: ctypes.CDLL, hwc: torch.Tensor, luma: bool = False) -> list[int]:
-    """Image.histogram's 3 x 256 counts; with ``luma``, convert("L").histogram()'s 256."""
+def _histogram(lib: ctypes.CDLL, hwc: torch.Tensor, luma: bool = False) -> torch.Tensor:
+    """Image.histogram's 3 x 256 counts (int32); with ``luma``, convert("L").histogram()'s 256."""
     counts = torch.empty(256 if luma else 768, dtype=torch.int32)
     lib.augment_histogram(hwc.data_ptr(), hwc.shape[0] * hwc.shape[1], counts.data_ptr(), int(luma))
-    return counts.tolist()
+    return counts
 
 
 def _table(policy: Any, hwc: torch.Tensor, op: str, magnitude: float, lib: ctypes.CDLL) -> bytes | None:
     """The 3 x 256 table that torchvision's op on a PIL image has ImageOps make and ``point``
-    apply (made by PIL's own code on a _Recorder), or None where it asks for something else."""
-    if op not in ("AutoContrast", "Equalize"):  # a table of the magnitude alone
+    apply: a table of the magnitude alone made by PIL's own code on a _Recorder, once; or
+    autocontrast's and equalize's from the crop's histogram in ImageOps' arithmetic, with numpy
+    (ImageOps' loops over the 768 counts cost twice the table's use); None where it asks for
+    something else."""
+    if op not in ("AutoContrast", "Equalize"):
         return _fixed_table(policy, op, magnitude)
-    return _recorded_table(policy, _Recorder(hwc.shape[1], hwc.shape[0], _counts(lib, hwc)), op, magnitude)
+    counts = _histogram(lib, hwc).numpy().astype(np.int64).reshape(3, 256)
+    tables = np.stack([(_stretched if op == "AutoContrast" else _equalized)(band) for band in counts])
+    return tables.clip(0, 255).astype(np.uint8).tobytes()
+
+
+def _stretched(counts: np.ndarray) -> np.ndarray:
+    """ImageOps.autocontrast's table for one band's 256 counts (no cutoff, nothing ignored, as
+    torchvision calls it): from its lowest value to its highest, int(i * scale + offset) in
+    double precision, the operations Pillow does one by one; a band of one value as it is."""
+    ix = np.arange(256)
+    seen = np.flatnonzero(counts)
+    lo, hi = (int(seen[0]), int(seen[-1])) if len(seen) else (255, 0)
+    if hi <= lo:
+        return ix
+    scale = 255.0 / (hi - lo)
+    offset = -lo * scale
+    return np.trunc(ix * scale + offset).astype(np.int64)
+
+
+def _equalized(counts: np.ndarray) -> np.ndarray:
+    """ImageOps.equalize's table for one band's 256 counts, in its integer steps: ``step`` is the
+    pixels but those of the highest value, over 255; value i maps to (step // 2 + the pixels
+    below i) // step, above 255 where Pillow's ``point`` clips it; one value, or a step of 0, as
+    it is."""
+    seen = counts[counts > 0]
+    step = (int(seen.sum()) - int(seen[-1])) // 255 if len(seen) > 1 else 0
+    if not step:
+        return np.arange(256)
+    return (step // 2 + np.cumsum(counts) - counts) // step
 
 
 def _fixed_table(policy: Any, op: str, magnitude: float) -> bytes | None:
@@ -205,7 +236,7 @@ def _colour(lib: ctypes.CDLL, hwc: torch.Tensor, op: str, magnitude: float) -> t
         return out.permute(2, 0, 1)
     base = 0
     if op == "Contrast":  # ImageEnhance.Contrast: the mean of convert("L"), rounded, as ImageStat gives it
-        base = int(ImageStat.Stat(_counts(lib, hwc, luma=True)).mean[0] + 0.5)
+        base = int(ImageStat.Stat(_histogram(lib, hwc, luma=True).tolist()).mean[0] + 0.5)
     lut = ctypes.create_string_buffer(768)
     lib.augment_blend_lut(base, alpha, lut)
     ctypes.memmove(ctypes.addressof(lut) + 256, lut, 256)
