@@ -9,10 +9,11 @@ Per op (``HOW``; each op's cost three ways: bench/recipe/recipe.py --ops, the re
   pixel), sharpness (its 3 x 3 smoothing and blend), the blends of brightness, contrast and colour,
   and the tables of solarize, autocontrast and equalize. What depends on Pillow's code rather than
   its arithmetic is Pillow's: torchvision's functional op runs on a stand-in image (``_Recorder``)
-  that records the affine matrix or the table it is asked for (autocontrast's and equalize's from
-  the crop's histogram) instead of making pixels, as augment.py records the draws; a C loop then
-  makes the pixels. Where the library is missing, or an op asks for something else (a right
-  angle's transpose), PIL makes them: the same pixels.
+  that records the affine matrix or the table it is asked for instead of making pixels, as
+  augment.py records the draws; a C loop then makes the pixels. Autocontrast's and equalize's
+  tables, which depend on the crop's histogram, are ImageOps' arithmetic in numpy (its Python
+  loops cost more than the table's use). Where the library is missing, or an op asks for
+  something else (a right angle's transpose), PIL makes them: the same pixels.
 - ``tensor``: torchvision's tensor op, where it is cheaper still and its pixels equal PIL's
   (posterize, invert).
 
