@@ -82,7 +82,10 @@ def imagenet_table(part: dict) -> list[str]:
     after = part.get("steady_after", 0)
     header = ["model", "decode", "trainer.workers", f"steady samples/s (after step {after})", "pure compute"]
     header += ["of pure", "data-wait (steady)", "cores busy (steady / run)", "training process CPU per 256"]
-    header += ["host ms per batch: decode (its thread's CPU) / resize / hand-over", "decode threads busy"]
+    header += [
+        "host ms per batch: decode (its thread's CPU) / resize / augmentations / hand-over",
+        "decode threads busy",
+    ]
     header += ["wall", "note"]
     rows = [
         [
@@ -115,7 +118,7 @@ def host_ms(h: dict | None) -> str:
     if not h:
         return "-"
     decode = num(h["decode"], 2) + (f" ({num(h['decode_cpu'], 2)})" if "decode_cpu" in h else "")
-    return " / ".join([decode, *(num(h[k], 2) for k in ("resize", "hand_over"))])
+    return " / ".join([decode, *(num(h[k], 2) for k in ("resize", "augment", "hand_over") if k in h)])
 
 
 def probe_table(part: dict) -> list[str]:

@@ -24,9 +24,9 @@ LOADER_LINE = re.compile(r"^loader: .*$", re.MULTILINE)  # how many workers and 
 FIRST_STEP = re.compile(r"the first step is done in ([\d.]+)s")  # trainer.compile: its compile time inside
 HOST_LINE = re.compile(
     r"host time per batch: decode ([\d.]+) ms \(([\d.]+) ms of it its thread's CPU\), "
-    r"resize ([\d.]+) ms, hand-over ([\d.]+) ms"
+    r"resize ([\d.]+) ms, augmentations ([\d.]+) ms, hand-over ([\d.]+) ms"
 )
-HOST_PHASES = ("decode", "decode_cpu", "resize", "hand_over")
+HOST_PHASES = ("decode", "decode_cpu", "resize", "augment", "hand_over")
 
 
 def windows(log: str) -> list[tuple[int, float, float]]:

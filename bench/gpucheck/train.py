@@ -199,13 +199,13 @@ def section(key: str) -> str:
 
 
 def decode_busy(row: dict, threads: int, batch: int) -> float | None:
-    """decode=gpu: the share of its decode threads' time spent in the decode call and the resize's
-    launch at the steady rate (near 1: the decode threads are the limit), from the trainer's host
-    time per batch."""
+    """decode=gpu: the share of its decode threads' time spent in the decode call, the resize's
+    launch and the augmentations' at the steady rate (near 1: the decode threads are the limit),
+    from the trainer's host time per batch."""
     host, rate = row.get("host_ms"), row.get("steady_samples_per_s")
     if not host or not rate:
         return None
-    return (host["decode"] + host["resize"]) / 1000 * rate / batch / threads
+    return (host["decode"] + host["resize"] + host.get("augment", 0.0)) / 1000 * rate / batch / threads
 
 
 def accuracy(check: Any, part: dict) -> None:

@@ -200,16 +200,22 @@ def test_the_steady_rate_is_the_windows_after_the_warm_up_samples_over_their_tim
 def test_part_c_reads_the_host_time_by_phase_from_the_trainers_last_line():
     from wdsdist.train.trainer import decode_line
 
-    host = {"decoder": "nvImageCodec 0.9", "decode_ms": 25.384, "decode_cpu_ms": 3.019, "resize_ms": 1.03}
+    host = {
+        "decoder": "nvImageCodec 0.9",
+        "decode_ms": 25.384,
+        "decode_cpu_ms": 3.019,
+        "resize_ms": 1.03,
+        "augment_ms": 0.412,
+    }
     line = decode_line({"gpu": 900, "cpu": 124, "failed": 0}, host | {"hand_over_ms": 0.154})
     said = runs.HOST_LINE.search(f"step 60 ...\n{line}\ndone")
     assert said
     phases = dict(zip(runs.HOST_PHASES, map(float, said.groups()), strict=True))
-    assert phases == {"decode": 25.38, "decode_cpu": 3.02, "resize": 1.03, "hand_over": 0.15}
-    assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.15"
-    # One thread, 256 images a batch at 8,458 a second: 33 batches, each 26.41 ms of the thread's time
+    assert phases == {"decode": 25.38, "decode_cpu": 3.02, "resize": 1.03, "augment": 0.41, "hand_over": 0.15}
+    assert report.host_ms(phases) == "25.38 (3.02) / 1.03 / 0.41 / 0.15"
+    # One thread, 256 images a batch at 8,458 a second: 33 batches, each 26.82 ms of the thread's time
     busy = train_parts.decode_busy({"host_ms": phases, "steady_samples_per_s": 8458.0}, 1, 256)
-    assert busy == pytest.approx(26.41e-3 * 8458 / 256)
+    assert busy == pytest.approx(26.82e-3 * 8458 / 256)
     assert train_parts.decode_busy({"host_ms": phases, "steady_samples_per_s": 8458.0}, 2, 256) == busy / 2
     assert train_parts.decode_busy({"host_ms": None, "steady_samples_per_s": 8458.0}, 1, 256) is None
 

@@ -379,7 +379,7 @@ def decode_line(decoded: dict, host: dict) -> str:
         f"CPU (in the workers, PNG, CMYK, or refused by the GPU's decoder), {decoded['failed']} left out (no "
         f"decoder took them); {host.get('decoder', '')}; host time per batch: decode {host.get('decode_ms', 0):.2f} "
         f"ms ({host.get('decode_cpu_ms', 0):.2f} ms of it its thread's CPU), resize {host.get('resize_ms', 0):.2f} ms, "
-        f"hand-over {host.get('hand_over_ms', 0):.2f} ms"
+        f"augmentations {host.get('augment_ms', 0):.2f} ms, hand-over {host.get('hand_over_ms', 0):.2f} ms"
     )
 
 
