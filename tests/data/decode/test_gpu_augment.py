@@ -6,6 +6,7 @@ within its stated tolerance (gpu_augment.TOLERANCE) of the CPU path's for the sa
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tests.helpers.augment import POLICIES, crop, magnitudes
 from tests.helpers.gpu_augment import op_differences, recorded_draws, stats
 from tests.helpers.jpegs import encode
 from tests.helpers.loading import taken
-from wdsdist.data import LoaderConfig
+from wdsdist.data import Loader, LoaderConfig
 from wdsdist.data.decode import gpu, gpu_augment
 from wdsdist.data.decode.augment import Drawn, SampleAugment
 from wdsdist.data.decode.gpu_augment import TOLERANCE, BatchAugment
@@ -138,3 +139,44 @@ def test_evaluation_and_the_defaults_make_no_batch_augment():
     assert not gpu_augment.wanted("trivialaugment", 0.25, train=False)
     assert not gpu_augment.wanted("none", 0.0, train=True)
     assert gpu_augment.wanted("none", 0.1, train=True) and gpu_augment.wanted("randaugment", 0.0, train=True)
+
+
+def elastic(index: str, decode: str, world: int, at: int | None, state: dict | None) -> tuple[list, dict]:
+    """Every rank of ``world`` (epoch mode, split=samples, TrivialAugment and erasing), resumed
+    from ``state`` where given: ``at`` batches of each (None: the rest of the epoch), and the
+    ranks' state after them, gathered as a job's is."""
+    cfg = LoaderConfig(
+        batch_size=4, workers=2, image_size=32, mode="epoch", split="samples", decode=decode,
+        augment="trivialaugment", random_erase=0.5, mean=MEAN, with_keys=True, gpu_decode_threads=1,
+    )  # fmt: skip
+    out, saved = [], []
+    for rank in range(world):
+        loader = Loader(index, cfg, rank=rank, world=world)
+        if state is not None:
+            loader.load_state_dict(state)
+        torch.manual_seed(0)
+        batches = list(itertools.islice(iter(loader), at))
+        out.append(batches)
+        saved.append(loader.state_dict())
+    return out, saved[0] | {"ranks": [s["ranks"][r] for r, s in enumerate(saved)]}  # every rank's, gathered
+
+
+def test_decode_gpu_stopped_on_2_ranks_and_resumed_on_3_replays_the_cpu_paths_draws(tmp_path, on_cpu):
+    """The draws come from each sample's own seed, so an elastic resume on the GPU path makes
+    the CPU path's samples with the CPU path's draws (pixels within the stated tolerance), and
+    the epoch's every sample once (the loader's exactness on the CPU path: the fuzz)."""
+    index = photos(tmp_path / "p")
+    before, states = elastic(index, "gpu", 2, 2, None)
+    _, cpu_states = elastic(index, "cpu", 2, 2, None)
+    assert states == cpu_states
+    with recorded_draws() as draws:
+        after, _ = elastic(index, "gpu", 3, None, states)
+    cpu_after, _ = elastic(index, "cpu", 3, None, states)
+    for gpu_rank, cpu_rank in zip(after, cpu_after, strict=True):
+        assert_same_samples(cpu_rank, gpu_rank)
+    assert len({len(r) for r in after}) == 1  # every rank the same batches
+    real = [k for r in before + after for b in r for k, p in zip(b["key"], b["pos"].tolist(), strict=True) if p < 48]
+    assert sorted(real) == sorted(f"p{k}{i:03d}" for k in range(2) for i in range(24))  # each once
+    diffs = op_differences([b for r in cpu_after for b in r], [b for r in after for b in r], draws)
+    assert len(diffs) >= 6 and "Erase" in diffs  # the resumed samples drew many ops, and boxes
+    assert_within(diffs)
